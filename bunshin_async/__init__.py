@@ -1,0 +1,105 @@
+"""Bunshin's scheduler core: rollouts with memory sharing, tool-prefix caching and
+speculative tool execution, against any :class:`Backend` (the simulator's or real containers).
+"""
+
+from ._backend import Backend, CallContext, ColdSnapshot, ToolResult, Workspace, WorkspaceMemory
+from ._exceptions import (
+    BackendError,
+    BunshinError,
+    ConfigError,
+    TraceError,
+    TransparencyError,
+    WorkspaceReleasedError,
+)
+from ._memory import MemoryAccountant, MemoryStatistics
+from ._policy import Finish, Observation, Policy, SampleView, TracePolicy
+from ._scheduler import (
+    POLICIES,
+    RolloutResult,
+    RunResult,
+    Scheduler,
+    SchedulerConfig,
+    SpecStatistics,
+    StepTiming,
+    TrainingPlan,
+    caching_policy,
+    plan_steps,
+    run_rollouts,
+)
+from ._selector import HistorySelector, Prediction, SpecToolSelector
+from ._trace import (
+    TRACE_VERSION,
+    MemoryProfile,
+    Rollout,
+    RolloutKey,
+    Step,
+    Task,
+    ToolCall,
+    Trace,
+    call_key,
+    check_trace,
+    decode_trace,
+    dump_trace,
+    encode_trace,
+    load_trace,
+    observation_digest,
+)
+from ._tree import Node, PrefixTree, Tier, TreeStatistics, open_prefix_tree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "BunshinError",
+    "CallContext",
+    "ColdSnapshot",
+    "ConfigError",
+    "Finish",
+    "HistorySelector",
+    "MemoryAccountant",
+    "MemoryProfile",
+    "MemoryStatistics",
+    "Node",
+    "Observation",
+    "POLICIES",
+    "Policy",
+    "Prediction",
+    "PrefixTree",
+    "Rollout",
+    "RolloutKey",
+    "RolloutResult",
+    "RunResult",
+    "SampleView",
+    "Scheduler",
+    "SchedulerConfig",
+    "SpecStatistics",
+    "SpecToolSelector",
+    "Step",
+    "StepTiming",
+    "TRACE_VERSION",
+    "Task",
+    "Tier",
+    "ToolCall",
+    "ToolResult",
+    "Trace",
+    "TraceError",
+    "TracePolicy",
+    "TrainingPlan",
+    "TransparencyError",
+    "TreeStatistics",
+    "Workspace",
+    "WorkspaceMemory",
+    "WorkspaceReleasedError",
+    "caching_policy",
+    "call_key",
+    "check_trace",
+    "decode_trace",
+    "dump_trace",
+    "encode_trace",
+    "load_trace",
+    "observation_digest",
+    "open_prefix_tree",
+    "plan_steps",
+    "run_rollouts",
+]

@@ -1,0 +1,58 @@
+"""The exceptions of :mod:`bunshin_async`, one flat list.
+
+Foreign errors (msgspec's decode errors, ``OSError`` from the file system) are translated
+into these at the boundary, with the file and field named.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BunshinError",
+    "TraceError",
+    "ConfigError",
+    "BackendError",
+    "WorkspaceReleasedError",
+    "TransparencyError",
+]
+
+
+class BunshinError(Exception):
+    """Base class of every error Bunshin raises on purpose."""
+
+
+class TraceError(BunshinError):
+    """Raised when a trace file cannot be read or is not a valid trace.
+
+    The message names the file, the path to the bad field (``$.rollouts[3].steps[0].call``)
+    and what was expected there. A truncated file or one with an unknown version is this
+    error, never a partial load.
+    """
+
+
+class ConfigError(BunshinError):
+    """Raised when a run is configured with values that cannot work together.
+
+    For example a batch size of zero, a group size larger than the trace provides, or a
+    speculation budget below zero. The message names the option and the accepted range.
+    """
+
+
+class BackendError(BunshinError):
+    """Raised when a backend cannot carry out an operation on a workspace.
+
+    Backends translate their own failures (a failed fork, a tool that could not be started)
+    into this error so the scheduler can release what the failing sample holds.
+    """
+
+
+class WorkspaceReleasedError(BackendError):
+    """Raised when an operation names a workspace or snapshot that was already released."""
+
+
+class TransparencyError(BunshinError):
+    """Raised when a sample is shown an observation that differs from the one it would see
+    with caching and speculation off.
+
+    A :class:`~bunshin_async.TracePolicy` raises it when a replayed step's observation does
+    not match the recorded one: that means a tool marked cacheable is not deterministic.
+    """

@@ -1,0 +1,686 @@
+"""The scheduler core: training steps of B tasks x G samples, a coroutine per sample.
+
+Each sample asks the policy for its next call (the model thinks meanwhile), then gets the
+call's observation in the cheapest correct way:
+
+1. prefix caching: if an earlier sample of the task made the same cacheable calls, the
+   prefix tree already holds the observation and the state after it; the call is skipped and
+   the sample's workspace is only forked (from the nearest cached state) at its first miss;
+2. speculation: while the model thinks, a predicted next call may already be running in a
+   fork; if the policy's call matches, that branch is adopted, otherwise it is discarded;
+3. otherwise the call runs in the sample's own workspace, a copy-on-write fork of the task's
+   initialised workspace (memory sharing).
+
+The scheduler reads time only through anyio, randomness only through ``config.seed``, and
+does I/O only through the :class:`Backend` and :class:`Policy` interfaces, so the same code
+runs live or in the simulator's virtual time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup
+
+from ._backend import Backend, CallContext, ToolResult, Workspace, WorkspaceMemory
+from ._exceptions import BackendError, ConfigError
+from ._memory import MemoryAccountant, MemoryStatistics
+from ._policy import Finish, Observation, Policy, SampleView
+from ._selector import SpecToolSelector
+from ._trace import RolloutKey, Task, ToolCall, Trace, call_key
+from ._tree import Node, PrefixTree, TreeStatistics, open_prefix_tree
+
+__all__ = [
+    "SchedulerConfig",
+    "Scheduler",
+    "RunResult",
+    "RolloutResult",
+    "SpecStatistics",
+    "StepTiming",
+    "TrainingPlan",
+    "plan_steps",
+    "caching_policy",
+    "run_rollouts",
+    "POLICIES",
+]
+
+GiB = 1 << 30
+
+POLICIES = ("base", "spec", "full")
+"""The seed's three configurations: ``base`` shares memory only, ``spec`` adds speculative
+tool execution, ``full`` adds speculation and tool-prefix caching."""
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a run is scheduled. Every field has a default; see :meth:`preset`."""
+
+    batch_tasks: int = 32
+    """Groups (tasks) per training step: B."""
+    group_size: int | None = None
+    """Samples per group, G; None takes every sample the plan has for the group."""
+    mode: Literal["sync", "async"] = "sync"
+    """``sync``: a step starts when the previous one has finished (the trainer waits for
+    the whole batch). ``async``: bounded staleness, see ``staleness``."""
+    staleness: int = 1
+    """In ``async`` mode, step j may start once step j-1-staleness has finished; samples
+    then start as slots (``max_concurrent``) free up."""
+    max_concurrent: int | None = None
+    """Rollouts that may run at once; None is one step's worth (B x G)."""
+    train_time: float = 0.0
+    """Seconds the trainer takes to update the model after a step's rollouts finish."""
+    caching: bool = False
+    """Use the tool-prefix tree."""
+    speculation: bool = False
+    """Run predicted calls while the model thinks."""
+    hot_budget: int = 32 * GiB
+    """Bytes of snapshots the prefix tree may keep in memory (see :mod:`._tree`)."""
+    cold_budget: int = 256 * GiB
+    """Bytes of deltas the prefix tree may keep out of memory."""
+    spec_budget: int = 32
+    """Speculative branches that may run at once."""
+    spec_tail: float = 0.25
+    """Speculate only for samples of a step in which at most this share of rollouts still
+    runs (the tail that decides when the step ends); 1.0 speculates for every sample."""
+    spec_min_confidence: float = 0.3
+    """Speculate only on a prediction at least this confident."""
+    seed: int = 0
+    """Seed of the run's one random stream (tie-breaking; reserved for policies)."""
+
+    @classmethod
+    def preset(cls, policy: str, **overrides: object) -> SchedulerConfig:
+        """The configuration of one of :data:`POLICIES`, with *overrides* applied."""
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        base = {"caching": policy == "full", "speculation": policy in ("spec", "full")}
+        base.update(overrides)
+        try:
+            cfg = msgspec.convert(base, cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"bad scheduler option: {exc}") from None
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` if a field is out of range."""
+        def bad(name: str, want: str) -> ConfigError:
+            return ConfigError(f"scheduler option {name}={getattr(self, name)!r} is invalid; expected {want}")
+
+        if self.batch_tasks < 1:
+            raise bad("batch_tasks", "an integer >= 1")
+        if self.group_size is not None and self.group_size < 1:
+            raise bad("group_size", "an integer >= 1 or None")
+        if self.staleness < 0:
+            raise bad("staleness", "an integer >= 0")
+        if self.max_concurrent is not None and self.max_concurrent < 1:
+            raise bad("max_concurrent", "an integer >= 1 or None")
+        if self.train_time < 0:
+            raise bad("train_time", "seconds >= 0")
+        if self.hot_budget < 0:
+            raise bad("hot_budget", "bytes >= 0")
+        if self.cold_budget < 0:
+            raise bad("cold_budget", "bytes >= 0")
+        if self.spec_budget < 0:
+            raise bad("spec_budget", "an integer >= 0")
+        if not 0.0 <= self.spec_tail <= 1.0:
+            raise bad("spec_tail", "a share between 0 and 1")
+        if not 0.0 <= self.spec_min_confidence <= 1.0:
+            raise bad("spec_min_confidence", "a probability between 0 and 1")
+
+
+class TrainingPlan(msgspec.Struct, frozen=True):
+    """The training steps of a run: each a list of groups, each a list of rollouts."""
+
+    steps: list[list[list[tuple[RolloutKey, Task]]]]
+    """``steps[j][g]`` is the g-th group of step j: its rollouts, sample order."""
+
+    def epoch_of(self, j: int) -> int:
+        """The epoch step *j* belongs to."""
+        return self.steps[j][0][0][0].epoch
+
+
+def plan_steps(planned: Sequence[tuple[RolloutKey, Task]], config: SchedulerConfig) -> TrainingPlan:
+    """Cut *planned* rollouts into training steps of ``config.batch_tasks`` groups.
+
+    Groups keep the order in which they first appear; a step never spans two epochs; with
+    ``config.group_size`` set, each group keeps its first G samples.
+
+    Raises:
+        ConfigError: If a group has fewer samples than ``config.group_size``.
+    """
+    groups: dict[tuple[int, str, int], list[tuple[RolloutKey, Task]]] = {}
+    for key, task in planned:
+        groups.setdefault((key.epoch, key.task, key.group), []).append((key, task))
+    steps: list[list[list[tuple[RolloutKey, Task]]]] = []
+    cur: list[list[tuple[RolloutKey, Task]]] = []
+    cur_epoch: int | None = None
+    for (epoch, task_id, group), members in groups.items():
+        members.sort(key=lambda kt: kt[0].sample)
+        if config.group_size is not None:
+            if len(members) < config.group_size:
+                raise ConfigError(
+                    f"group_size={config.group_size} but group e{epoch}/{task_id}/g{group} has only "
+                    f"{len(members)} samples; lower group_size"
+                )
+            members = members[: config.group_size]
+        if cur and (len(cur) == config.batch_tasks or epoch != cur_epoch):
+            steps.append(cur)
+            cur = []
+        cur.append(members)
+        cur_epoch = epoch
+    if cur:
+        steps.append(cur)
+    return TrainingPlan(steps)
+
+
+def caching_policy(trace: Trace) -> Callable[[ToolCall], bool]:
+    """The caching policy a trace implies, per call: a call (name and arguments) is cacheable
+    when every recorded occurrence of it is marked cacheable. A call the trace never made is
+    cacheable when its tool was recorded and every recorded call of that tool was."""
+    by_call: dict[bytes, bool] = {}
+    by_tool: dict[str, bool] = {}
+    for r in trace.rollouts:
+        for s in r.steps:
+            k = call_key(s.call)
+            by_call[k] = by_call.get(k, True) and s.cacheable
+            by_tool[s.call.name] = by_tool.get(s.call.name, True) and s.cacheable
+
+    def cacheable(call: ToolCall) -> bool:
+        v = by_call.get(call_key(call))
+        return v if v is not None else by_tool.get(call.name, False)
+
+    return cacheable
+
+
+class RolloutResult(msgspec.Struct, frozen=True):
+    """How one rollout went."""
+
+    key: RolloutKey
+    """Which rollout."""
+    status: Literal["done", "cancelled"]
+    """``done`` when the policy finished it, ``cancelled`` when it was cancelled."""
+    start: float
+    """When the sample started (seconds since the run began)."""
+    end: float
+    """When it finished or was cancelled."""
+    reward: float | None
+    """The reward, None if cancelled."""
+    observations: list[str]
+    """Digest of each observation the sample was shown, in order."""
+    cache_hits: int
+    """Calls skipped because the prefix tree held their result."""
+    spec_hits: int
+    """Calls whose result came from an adopted speculative branch."""
+    executed: int
+    """Calls run in the sample's own workspace."""
+    memory: WorkspaceMemory | None
+    """The sample's workspace memory just before release (None if it never needed one)."""
+
+
+class SpecStatistics(msgspec.Struct, frozen=True):
+    """What speculation did over a run."""
+
+    launched: int
+    """Speculative branches started."""
+    hits: int
+    """Branches adopted because the policy's call matched."""
+    misses: int
+    """Branches discarded because it did not (or the sample finished)."""
+    errors: int
+    """Branches that failed in the backend (discarded; the call then ran normally)."""
+    wasted_exec_seconds: float
+    """Tool execution time spent in discarded branches."""
+    hidden_exec_seconds: float
+    """Tool execution time of adopted branches that ran while the model was thinking."""
+
+
+class StepTiming(msgspec.Struct, frozen=True):
+    """When one training step ran."""
+
+    epoch: int
+    """Its epoch."""
+    start: float
+    """When its first group started."""
+    end: float
+    """When its last rollout ended (before training time)."""
+    rollouts: int
+    """Rollouts in the step."""
+
+
+class RunResult(msgspec.Struct, frozen=True):
+    """Everything a run measured."""
+
+    engine: str
+    """The backend's fork engine."""
+    config: SchedulerConfig
+    """The configuration."""
+    makespan: float
+    """Seconds from start to the last step's end."""
+    epoch_times: dict[int, float]
+    """Per epoch, seconds from its first step's start to its last step's end."""
+    steps: list[StepTiming]
+    """Per training step."""
+    rollouts: list[RolloutResult]
+    """Per rollout, in plan order."""
+    memory: MemoryStatistics
+    """Working set peak and integral."""
+    memory_timeline: list[tuple[float, int]]
+    """``(seconds, bytes)`` at every change of the working set."""
+    running_timeline: list[tuple[float, int]]
+    """``(seconds, rollouts still running)`` at every change."""
+    tree: TreeStatistics | None
+    """Prefix-tree statistics (None without caching)."""
+    spec: SpecStatistics
+    """Speculation statistics."""
+    cacheable_calls: int
+    """Calls of cacheable tools the policy made."""
+    calls: int
+    """Calls the policy made in all."""
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Share of cacheable calls answered by the prefix tree."""
+        hits = sum(r.cache_hits for r in self.rollouts)
+        return hits / self.cacheable_calls if self.cacheable_calls else 0.0
+
+
+class _Branch:
+    __slots__ = ("call", "key", "scope", "done", "ws", "result", "exec_start", "end", "error")
+
+    def __init__(self, call: ToolCall) -> None:
+        self.call = call
+        self.key = call_key(call)
+        self.scope = anyio.CancelScope()
+        self.done = anyio.Event()
+        self.ws: Workspace | None = None
+        self.result: ToolResult | None = None
+        self.exec_start: float | None = None
+        self.end: float | None = None
+        self.error: BaseException | None = None
+
+
+class _Sample:
+    """What one running sample holds."""
+
+    __slots__ = ("key", "task", "root", "node", "on_tree", "ws", "ws_node", "branch", "finish",
+                 "calls", "obs", "hits", "spec_hits", "executed")
+
+    def __init__(self, key: RolloutKey, task: Task, root: Node, on_tree: bool) -> None:
+        self.key = key
+        self.task = task
+        self.root = root
+        self.node = root  # the prefix-tree state the sample is in (while on the tree)
+        self.on_tree = on_tree
+        self.ws: Workspace | None = None  # its own live workspace, made at first need
+        self.ws_node: Node | None = None  # the node ``ws`` is in the state of (on the tree)
+        self.branch: _Branch | None = None  # its speculative branch, if one runs
+        self.finish: Finish | None = None
+        self.calls: list[ToolCall] = []
+        self.obs: list[Observation] = []
+        self.hits = 0
+        self.spec_hits = 0
+        self.executed = 0
+
+
+class _StepState:
+    __slots__ = ("size", "running")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.running = 0
+
+
+class Scheduler:
+    """Runs a training plan against a backend with a policy.
+
+    Args:
+        backend: Where workspaces live (:class:`sim.SimBackend` or a live backend).
+        policy: Produces the calls (a :class:`TracePolicy` replays a trace).
+        config: Scheduling options.
+        selector: Predicts next calls for speculation (required when it is on).
+        cacheable: Says which calls may be cached and speculated; by default none.
+        plan: The training steps; by default :func:`plan_steps` over ``policy.planned()``.
+        on_progress: Called with ``(finished, total)`` rollouts each time one ends.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        policy: Policy,
+        config: SchedulerConfig,
+        *,
+        selector: SpecToolSelector | None = None,
+        cacheable: Callable[[ToolCall], bool] | None = None,
+        plan: TrainingPlan | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        config.check()
+        if config.speculation and selector is None:
+            raise ConfigError("speculation is on but no selector was given; pass selector=HistorySelector()")
+        self._backend = backend
+        self._policy = policy
+        self._cfg = config
+        self._selector = selector
+        self._cacheable = cacheable or (lambda call: False)
+        self._plan = plan if plan is not None else plan_steps(policy.planned(), config)
+        if not self._plan.steps:
+            raise ConfigError("the plan has no rollouts to run")
+        self._scopes: dict[RolloutKey, anyio.CancelScope] = {}
+        self._results: dict[RolloutKey, RolloutResult] = {}
+        self._tree: PrefixTree | None = None
+        self._acct: MemoryAccountant | None = None
+        self._t0 = 0.0
+        self._running = 0
+        self._running_tl: list[tuple[float, int]] = []
+        self._spec_active = 0
+        self._spec = dict(launched=0, hits=0, misses=0, errors=0, wasted=0.0, hidden=0.0)
+        self._calls = 0
+        self._cacheable_calls = 0
+        self._steps: list[StepTiming | None] = [None] * len(self._plan.steps)
+        self._on_progress = on_progress
+        self._total = sum(len(g) for step in self._plan.steps for g in step)
+
+    # -- public ----------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> TrainingPlan:
+        """The training steps this scheduler runs."""
+        return self._plan
+
+    def cancel(self, rollout: RolloutKey) -> bool:
+        """Cancel a running rollout; everything it holds is released. Returns False if it is
+        not running."""
+        scope = self._scopes.get(rollout)
+        if scope is None:
+            return False
+        scope.cancel()
+        return True
+
+    def running(self) -> list[RolloutKey]:
+        """Rollouts running now."""
+        return list(self._scopes)
+
+    async def run(self) -> RunResult:
+        """Run every step of the plan and return what was measured."""
+        cfg = self._cfg
+        self._t0 = anyio.current_time()
+        self._acct = MemoryAccountant(0.0)
+        self._running_tl = [(0.0, 0)]
+        self._sample_memory()
+        per_step = max(sum(len(g) for g in step) for step in self._plan.steps)
+        limiter = anyio.CapacityLimiter(cfg.max_concurrent or per_step)
+        done = [anyio.Event() for _ in self._plan.steps]
+        async with open_prefix_tree(
+            self._backend,
+            hot_budget=cfg.hot_budget if cfg.caching else 0,
+            cold_budget=cfg.cold_budget if cfg.caching else 0,
+            on_change=self._sample_memory,
+        ) as tree:
+            self._tree = tree
+            async with anyio.create_task_group() as tg:
+                for j in range(len(self._plan.steps)):
+                    tg.start_soon(self._run_step, j, done, limiter)
+        self._sample_memory()
+        now = self._now()
+        steps = [s for s in self._steps if s is not None]
+        epochs: dict[int, tuple[float, float]] = {}
+        for s in steps:
+            a, b = epochs.get(s.epoch, (s.start, s.end))
+            epochs[s.epoch] = (min(a, s.start), max(b, s.end))
+        order = [key for step in self._plan.steps for g in step for key, _ in g]
+        sp = self._spec
+        return RunResult(
+            engine=self._backend.engine,
+            config=cfg,
+            makespan=max((s.end for s in steps), default=0.0),
+            epoch_times={e: b - a for e, (a, b) in sorted(epochs.items())},
+            steps=steps,
+            rollouts=[self._results[k] for k in order if k in self._results],
+            memory=self._acct.statistics(now),
+            memory_timeline=self._acct.timeline(),
+            running_timeline=self._running_tl,
+            tree=tree.statistics() if cfg.caching else None,
+            spec=SpecStatistics(
+                launched=sp["launched"], hits=sp["hits"], misses=sp["misses"], errors=sp["errors"],
+                wasted_exec_seconds=sp["wasted"], hidden_exec_seconds=sp["hidden"],
+            ),
+            cacheable_calls=self._cacheable_calls,
+            calls=self._calls,
+        )
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return anyio.current_time() - self._t0
+
+    def _sample_memory(self) -> None:
+        if self._acct is not None:
+            self._acct.sample(self._now(), self._backend.working_set())
+
+    async def _release(self, ws: Workspace | None) -> None:
+        if ws is not None and not ws.released:
+            with anyio.CancelScope(shield=True):
+                await self._backend.release(ws)
+                self._sample_memory()
+
+    async def _run_step(self, j: int, done: list[anyio.Event], limiter: anyio.CapacityLimiter) -> None:
+        cfg = self._cfg
+        wait_for = j - 1 if cfg.mode == "sync" else j - 1 - cfg.staleness
+        if wait_for >= 0:
+            await done[wait_for].wait()
+        groups = self._plan.steps[j]
+        state = _StepState(sum(len(g) for g in groups))
+        start = self._now()
+        async with anyio.create_task_group() as tg:
+            for group in groups:
+                tg.start_soon(self._run_group, group, state, limiter)
+        self._steps[j] = StepTiming(self._plan.epoch_of(j), start, self._now(), state.size)
+        if cfg.train_time:
+            await anyio.sleep(cfg.train_time)
+        done[j].set()
+
+    async def _run_group(self, group: list[tuple[RolloutKey, Task]], state: _StepState, limiter: anyio.CapacityLimiter) -> None:
+        assert self._tree is not None
+        task = group[0][1]
+        root = await self._tree.acquire_root(task)
+        try:
+            async with anyio.create_task_group() as tg:
+                for key, _ in group:
+                    tg.start_soon(self._run_sample, _Sample(key, task, root, self._cfg.caching), state, limiter)
+        finally:
+            await self._tree.release_root(root, keep=self._cfg.caching)
+
+    async def _run_sample(self, s: _Sample, state: _StepState, limiter: anyio.CapacityLimiter) -> None:
+        async with limiter:
+            scope = anyio.CancelScope()
+            self._scopes[s.key] = scope
+            start = self._now()
+            self._set_running(+1)
+            state.running += 1
+            try:
+                with scope:
+                    await self._sample_loop(s, state)
+            finally:
+                state.running -= 1
+                self._set_running(-1)
+                del self._scopes[s.key]
+                mem = None
+                if s.ws is not None and not s.ws.released:
+                    mem = self._backend.workspace_memory(s.ws)
+                    ws, s.ws = s.ws, None
+                    await self._release(ws)
+                if s.branch is not None:
+                    await self._discard(s)
+                done = s.finish is not None
+                self._results[s.key] = RolloutResult(
+                    key=s.key,
+                    status="done" if done else "cancelled",
+                    start=start,
+                    end=self._now(),
+                    reward=s.finish.reward if s.finish is not None else None,
+                    observations=[o.digest for o in s.obs],
+                    cache_hits=s.hits,
+                    spec_hits=s.spec_hits,
+                    executed=s.executed,
+                    memory=mem,
+                )
+                if self._on_progress is not None:
+                    self._on_progress(len(self._results), self._total)
+
+    def _set_running(self, delta: int) -> None:
+        self._running += delta
+        t = self._now()
+        if self._running_tl and self._running_tl[-1][0] == t:
+            self._running_tl[-1] = (t, self._running)
+        else:
+            self._running_tl.append((t, self._running))
+
+    async def _sample_loop(self, s: _Sample, state: _StepState) -> None:
+        assert self._tree is not None
+        tree = self._tree
+        async with anyio.create_task_group() as tg:
+            while True:
+                self._maybe_speculate(tg, s, state)
+                action = await self._policy.act(SampleView(s.key, s.task, tuple(s.calls), tuple(s.obs)))
+                if isinstance(action, Finish):
+                    if s.branch is not None:
+                        await self._discard(s)
+                    s.finish = action
+                    break
+                call = action
+                step = len(s.calls)
+                self._calls += 1
+                cacheable = self._cacheable(call)
+                self._cacheable_calls += cacheable
+                result: ToolResult | None = None
+                # 1. the prefix tree
+                if s.on_tree and cacheable:
+                    child = tree.lookup(s.node, call)
+                    if child is not None and child.observation is not None:
+                        if s.branch is not None:
+                            await self._discard(s)
+                        s.node = child
+                        s.hits += 1
+                        s.calls.append(call)
+                        s.obs.append(child.observation)
+                        continue
+                # 2. an adopted speculative branch
+                if s.branch is not None:
+                    branch = s.branch
+                    if branch.key == call_key(call):
+                        await branch.done.wait()
+                    if branch.key == call_key(call) and branch.result is not None and branch.ws is not None:
+                        s.branch = None
+                        result = branch.result
+                        await self._release(s.ws)
+                        s.ws, branch.ws = branch.ws, None
+                        s.ws_node = None
+                        self._spec["hits"] += 1
+                        self._spec["hidden"] += result.exec_time
+                        s.spec_hits += 1
+                    else:
+                        await self._discard(s)
+                # 3. run it in the sample's own workspace
+                if result is None:
+                    if s.ws is None or (s.on_tree and s.ws_node is not s.node):
+                        ws, s.ws = s.ws, None
+                        await self._release(ws)
+                        s.ws = await tree.fork(s.node, s.key)
+                        s.ws_node = s.node
+                    result = await self._backend.execute(s.ws, call, CallContext(s.key, step))
+                    self._sample_memory()
+                    s.executed += 1
+                if s.on_tree:
+                    if cacheable:
+                        s.node = await tree.insert(s.node, call, result, s.ws)
+                        s.ws_node = s.node
+                    else:
+                        s.on_tree = False
+                s.calls.append(call)
+                s.obs.append(Observation(result.observation_digest, result.observation_size, result.output))
+        if self._selector is not None:
+            self._selector.observe(s.task.id, s.calls)
+
+    def _maybe_speculate(self, tg: TaskGroup, s: _Sample, state: _StepState) -> None:
+        cfg = self._cfg
+        if not cfg.speculation or self._selector is None or self._spec_active >= cfg.spec_budget:
+            return
+        if state.running > math.floor(cfg.spec_tail * state.size + 1e-9):
+            return
+        preds = self._selector.predict(s.task.id, s.calls, 1)
+        if not preds or preds[0].confidence < cfg.spec_min_confidence:
+            return
+        call = preds[0].call
+        if not self._cacheable(call):
+            return
+        if s.on_tree and call_key(call) in s.node.children:
+            return  # the tree answers it anyway
+        source: Workspace | Node
+        if s.ws is not None and (not s.on_tree or s.ws_node is s.node):
+            source = s.ws
+        elif s.on_tree:
+            source = s.node
+        elif s.ws is None:
+            source = s.root
+        else:
+            return
+        branch = _Branch(call)
+        s.branch = branch
+        self._spec["launched"] += 1
+        self._spec_active += 1
+        tg.start_soon(self._speculate, branch, source, s.key, len(s.calls))
+
+    async def _speculate(self, branch: _Branch, source: Workspace | Node, key: RolloutKey, step: int) -> None:
+        assert self._tree is not None
+        try:
+            with branch.scope:
+                if isinstance(source, Node):
+                    branch.ws = await self._tree.fork(source, key)
+                else:
+                    branch.ws = await self._backend.fork(source)
+                self._sample_memory()
+                branch.exec_start = anyio.current_time()
+                branch.result = await self._backend.execute(
+                    branch.ws, branch.call, CallContext(key, step, "speculate")
+                )
+                self._sample_memory()
+        except BackendError as exc:
+            branch.error = exc
+            self._spec["errors"] += 1
+        finally:
+            self._spec_active -= 1
+            branch.end = anyio.current_time()
+            branch.done.set()
+
+    async def _discard(self, s: _Sample) -> None:
+        branch, s.branch = s.branch, None
+        assert branch is not None
+        branch.scope.cancel()
+        with anyio.CancelScope(shield=True):
+            await branch.done.wait()
+        if branch.exec_start is not None and branch.end is not None:
+            self._spec["wasted"] += branch.end - branch.exec_start
+        if branch.error is None:
+            self._spec["misses"] += 1
+        ws, branch.ws = branch.ws, None
+        await self._release(ws)
+
+
+async def run_rollouts(
+    backend: Backend,
+    policy: Policy,
+    config: SchedulerConfig,
+    *,
+    selector: SpecToolSelector | None = None,
+    cacheable: Callable[[ToolCall], bool] | None = None,
+    plan: TrainingPlan | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> RunResult:
+    """Run *policy*'s rollouts on *backend* (see :class:`Scheduler`) and return the result."""
+    sched = Scheduler(
+        backend, policy, config, selector=selector, cacheable=cacheable, plan=plan, on_progress=on_progress
+    )
+    return await sched.run()

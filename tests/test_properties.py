@@ -1,0 +1,176 @@
+"""Properties of the scheduler core over generated traces and configurations (hypothesis).
+
+- semantic transparency: caching and speculation change when a sample sees an observation,
+  never what it sees, nor its reward;
+- every rollout finishes exactly once, and afterwards nothing is left alive, also when
+  samples are cancelled midway;
+- on the same trace, engine ``bunshin`` never peaks above ``criu``; the hot tier never
+  exceeds its budget;
+- the same trace and seed give identical results.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import anyio
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bunshin_async import (
+    HistorySelector,
+    Scheduler,
+    SchedulerConfig,
+    TracePolicy,
+    caching_policy,
+)
+from sim import SimBackend, StepCount, ToolModel, generate, run_virtual, simulate, workload_params
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@functools.lru_cache(maxsize=64)
+def small_trace(workload: str, seed: int, tasks: int, group: int, epochs: int):
+    params = workload_params(
+        workload,
+        tasks=tasks,
+        group_size=group,
+        epochs=epochs,
+        steps=StepCount(low=2, mode=5, high=8, jitter=1.0),
+    )
+    return generate(params, seed=seed)
+
+
+traces = st.builds(
+    small_trace,
+    workload=st.sampled_from(["osworld", "webarena"]),
+    seed=st.integers(0, 2**16),
+    tasks=st.integers(1, 4),
+    group=st.integers(1, 4),
+    epochs=st.integers(1, 2),
+)
+
+configs = st.fixed_dictionaries(
+    {
+        "batch_tasks": st.integers(1, 4),
+        "mode": st.sampled_from(["sync", "async"]),
+        "staleness": st.integers(0, 2),
+        # small budgets force demotion to the cold tier, drops and replays
+        "hot_budget": st.sampled_from([0, 64 * MiB, 512 * MiB, 8 * GiB]),
+        "cold_budget": st.sampled_from([0, 256 * MiB, 64 * GiB]),
+        "spec_tail": st.sampled_from([0.25, 1.0]),
+        "spec_min_confidence": st.sampled_from([0.0, 0.3]),
+        "spec_budget": st.integers(0, 8),
+    }
+)
+
+ENGINES = ["bunshin", "criu", "microvm", "restart", "cold"]
+PROPS = settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+
+
+def observations(result):
+    return {r.key: (r.status, r.observations, r.reward) for r in result.rollouts}
+
+
+@PROPS
+@given(trace=traces, cfg=configs, engine=st.sampled_from(ENGINES), seed=st.integers(0, 100))
+def test_semantic_transparency(trace, cfg, engine, seed) -> None:
+    off = simulate(trace, engine=engine, policy="base", seed=seed, **cfg)
+    for policy in ("spec", "full"):
+        on = simulate(trace, engine=engine, policy=policy, seed=seed, **cfg)
+        assert observations(on) == observations(off)
+    recorded = {r.key: ([s.observation_digest for s in r.steps], r.reward) for r in trace.rollouts}
+    assert {k: (o, rw) for k, (_, o, rw) in observations(off).items()} == recorded
+
+
+def run_with_cancellations(trace, engine: str, policy: str, cfg: dict, seed: int, cancels: list[tuple[float, int]]):
+    """Run *trace* and cancel rollout number i (of the plan) at virtual time t for each
+    (t, i) in *cancels*; return the result and the backend."""
+    config = SchedulerConfig.preset(policy, seed=seed, **cfg)
+    backend = SimBackend(engine, ToolModel(trace), seed=seed)
+    sched = Scheduler(
+        backend,
+        TracePolicy(trace),
+        config,
+        selector=HistorySelector() if config.speculation else None,
+        cacheable=caching_policy(trace),
+    )
+    keys = [k for step in sched.plan.steps for g in step for k, _ in g]
+
+    async def canceller() -> None:
+        for t, i in sorted(cancels):
+            await anyio.sleep_until(t)
+            sched.cancel(keys[i % len(keys)])
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(canceller)
+            result = await sched.run()
+            tg.cancel_scope.cancel()
+        return result
+
+    return run_virtual(main), backend, keys
+
+
+@PROPS
+@given(
+    trace=traces,
+    cfg=configs,
+    engine=st.sampled_from(ENGINES),
+    policy=st.sampled_from(["base", "spec", "full"]),
+    cancels=st.lists(st.tuples(st.floats(0, 3000), st.integers(0, 63)), max_size=6),
+)
+def test_every_rollout_finishes_once_and_nothing_is_left(trace, cfg, engine, policy, cancels) -> None:
+    result, backend, keys = run_with_cancellations(trace, engine, policy, cfg, 0, cancels)
+    got = [r.key for r in result.rollouts]
+    assert sorted(got) == sorted(keys)
+    assert len(set(got)) == len(got)
+    cancelled = {keys[i % len(keys)] for _, i in cancels}
+    for r in result.rollouts:
+        if r.status == "cancelled":
+            assert r.key in cancelled
+            assert r.reward is None
+        else:
+            assert r.status == "done"
+            assert r.reward is not None
+    assert backend.live_handles() == 0
+    assert backend.working_set() == 0
+    assert result.memory_timeline[-1][1] == 0
+
+
+@PROPS
+@given(trace=traces, cfg=configs, policy=st.sampled_from(["base", "spec", "full"]), seed=st.integers(0, 100))
+def test_bunshin_never_peaks_above_criu(trace, cfg, policy, seed) -> None:
+    b = simulate(trace, engine="bunshin", policy=policy, seed=seed, **cfg)
+    c = simulate(trace, engine="criu", policy=policy, seed=seed, **cfg)
+    assert b.memory.peak_bytes <= c.memory.peak_bytes
+
+
+@PROPS
+@given(trace=traces, cfg=configs, engine=st.sampled_from(ENGINES))
+def test_hot_tier_stays_within_budget(trace, cfg, engine) -> None:
+    r = simulate(trace, engine=engine, policy="full", **cfg)
+    assert r.tree is not None
+    assert r.tree.hot_bytes_peak <= cfg["hot_budget"]
+    assert r.tree.hot_bytes == 0  # all released at the end
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces, cfg=configs, engine=st.sampled_from(ENGINES), policy=st.sampled_from(["base", "spec", "full"]))
+def test_same_trace_and_seed_same_result(trace, cfg, engine, policy) -> None:
+    a = simulate(trace, engine=engine, policy=policy, seed=7, **cfg)
+    b = simulate(trace, engine=engine, policy=policy, seed=7, **cfg)
+    assert msgspec.json.encode(a) == msgspec.json.encode(b)
+
+
+def test_cancellation_releases_forks_of_a_running_sample() -> None:
+    # a deterministic instance of the cancellation property, with speculation and caching on
+    trace = small_trace("osworld", 3, 2, 4, 2)
+    rng = random.Random(1)
+    cancels = [(rng.uniform(10, 400), i) for i in range(0, 16, 3)]
+    result, backend, keys = run_with_cancellations(trace, "bunshin", "full", {"spec_tail": 1.0, "spec_min_confidence": 0.0}, 0, cancels)
+    assert sum(r.status == "cancelled" for r in result.rollouts) >= 1
+    assert backend.live_handles() == 0 and backend.working_set() == 0
