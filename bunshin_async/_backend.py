@@ -173,6 +173,14 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
+    def snapshot_charge(self, workspace: Workspace, dirtied_bytes: int) -> int:
+        """At most how many bytes a snapshot of the live *workspace* would hold that its
+        parent snapshot does not, given the workspace wrote *dirtied_bytes* since it was in
+        the parent's state: the dirtied pages for a copy-on-write engine (plus the snapshot's
+        own page tables), the whole image for an engine that copies memory out, nothing for
+        one whose snapshots hold no memory. The prefix tree charges this to its hot tier."""
+
+    @abc.abstractmethod
     def workspace_memory(self, workspace: Workspace) -> WorkspaceMemory:
         """Shared and private bytes of *workspace* now."""
 

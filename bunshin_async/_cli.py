@@ -99,13 +99,12 @@ def _gib(n: float) -> str:
 def _row(r: RunResult) -> dict[str, str]:
     epochs = list(r.epoch_times.values())
     return {
-        "epoch (min)": " / ".join(f"{t / 60:.1f}" for t in epochs),
-        "makespan (min)": f"{r.makespan / 60:.1f}",
-        "peak (GiB)": _gib(r.memory.peak_bytes),
-        "total (GiB·h)": f"{r.memory.total_byte_seconds / GiB / 3600:,.1f}",
-        "cache hits": f"{r.cache_hit_rate:.0%}" if r.config.caching else "-",
+        "epochs (min)": " ".join(f"{t / 60:.1f}" for t in epochs),
+        "peak GiB": _gib(r.memory.peak_bytes),
+        "total GiB·h": f"{r.memory.total_byte_seconds / GiB / 3600:,.1f}",
+        "cache hit": f"{r.cache_hit_rate:.0%}" if r.config.caching else "-",
         "spec hit/miss": f"{r.spec.hits}/{r.spec.misses}" if r.config.speculation else "-",
-        "spec wasted (s)": f"{r.spec.wasted_exec_seconds:,.0f}" if r.config.speculation else "-",
+        "spec waste s": f"{r.spec.wasted_exec_seconds:,.0f}" if r.config.speculation else "-",
     }
 
 
@@ -173,18 +172,21 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
                 results[f"{e}/{p}"] = _run(trace, e, p, args, progress)
     base_key = f"{engines[0]}/{policies[0]}"
     base = results[base_key]
-    t = Table(title=f"{trace.name}: {len(trace.rollouts)} rollouts; ratios against {base_key}")
-    t.add_column("engine/policy")
+    t = Table(title=f"{trace.name}: {len(trace.rollouts)} rollouts; × is the ratio to {base_key}")
+    t.add_column("engine/policy", no_wrap=True)
     cols = list(_row(base))
     for c in cols:
         t.add_column(c, justify="right")
-    t.add_column("peak ratio", justify="right")
-    t.add_column("time ratio", justify="right")
+    t.add_column("peak ×", justify="right")
+    t.add_column("total ×", justify="right")
+    t.add_column("time ×", justify="right")
     for k, r in results.items():
         row = _row(r)
         t.add_row(
             k, *(row[c] for c in cols),
             f"{r.memory.peak_bytes / base.memory.peak_bytes:.2f}" if base.memory.peak_bytes else "-",
+            f"{r.memory.total_byte_seconds / base.memory.total_byte_seconds:.2f}"
+            if base.memory.total_byte_seconds else "-",
             f"{r.makespan / base.makespan:.2f}" if base.makespan else "-",
         )
     console.print(t)
@@ -289,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``bunshin`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
-    console = Console(stderr=False)
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 140)
     try:
         return int(args.fn(args, console))
     except BunshinError as exc:

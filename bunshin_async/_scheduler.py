@@ -570,9 +570,12 @@ class Scheduler:
                 # 2. an adopted speculative branch
                 if s.branch is not None:
                     branch = s.branch
-                    if branch.key == call_key(call):
+                    # adopt a matching branch once its call runs; one still forking (a slow
+                    # engine) would only delay the call, so it is discarded instead
+                    match = branch.key == call_key(call) and branch.exec_start is not None
+                    if match:
                         await branch.done.wait()
-                    if branch.key == call_key(call) and branch.result is not None and branch.ws is not None:
+                    if match and branch.result is not None and branch.ws is not None:
                         s.branch = None
                         result = branch.result
                         await self._release(s.ws)

@@ -11,9 +11,10 @@ the observation that call returned and the workspace state after it, in one of t
 
 Tiers never increase down the tree (a hot node's parent is hot, a cold node's parent is hot or
 cold), so a cold delta always has its parent to be applied to. The hot tier has a byte budget:
-a node is charged the bytes its call dirtied (its delta against its hot parent); a root is
-charged its runtime memory, except while a running group pins it, because then it is the base
-every sample of the group forks. A node is admitted hot only when its charge fits; otherwise
+a node is charged what the backend says its snapshot can hold beyond its hot parent
+(:meth:`Backend.snapshot_charge`: the pages its call dirtied for a copy-on-write engine, a
+whole image for a checkpointing one); a root is charged its whole memory, except while a
+running group pins it, because then it is the base every sample of the group forks. A node is admitted hot only when its charge fits; otherwise
 the least recently used unpinned hot leaves are demoted to the cold tier (in the background,
 still charged until they are out of memory), and if the charge still does not fit the node is
 stored evicted. So the charged hot bytes never exceed the budget. The cold tier has a byte
@@ -253,7 +254,8 @@ class PrefixTree:
                     raise
                 root.snapshot = snap
                 root.tier = Tier.HOT
-                root.charge = task.memory.runtime_bytes
+                mem = self._backend.workspace_memory(snap)
+                root.charge = mem.shared_bytes + mem.private_bytes
                 self._on_change()
             self._touch(root)
             return root
@@ -295,7 +297,8 @@ class PrefixTree:
         if existing is not None:
             return existing
         child = Node(node.task, node, call, result)
-        child.charge = result.dirtied_bytes
+        if workspace is not None:
+            child.charge = self._backend.snapshot_charge(workspace, result.dirtied_bytes)
         node.children[key] = child
         self._n_nodes += 1
         self._touch(child)

@@ -375,6 +375,17 @@ class SimBackend(Backend):
         self._account()
         return snap.handle
 
+    def snapshot_charge(self, workspace: Workspace, dirtied_bytes: int) -> int:
+        st = self._live(workspace, "snapshot_charge")
+        anon = self._anon_bytes(st)
+        if self.engine == "bunshin":  # CoW pages it will keep, and its own page tables
+            return min(dirtied_bytes, anon) + self.model.overhead_bytes(self._mapped_bytes(st))
+        if self.engine == "microvm":  # CoW pages of the guest memory file
+            return min(dirtied_bytes, anon)
+        if self.engine == "criu":  # a tmpfs image of all anonymous memory
+            return anon
+        return 0  # restart, cold: the snapshot holds no memory
+
     async def fork(self, source: Workspace) -> Workspace:
         st = self._state(source)
         await self._charge("fork", self._fork_cost(st))

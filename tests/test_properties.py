@@ -141,8 +141,21 @@ def test_every_rollout_finishes_once_and_nothing_is_left(trace, cfg, engine, pol
     assert result.memory_timeline[-1][1] == 0
 
 
+shared_traces = st.builds(
+    small_trace,
+    workload=st.sampled_from(["osworld", "webarena"]),
+    seed=st.integers(0, 2**16),
+    tasks=st.integers(1, 4),
+    group=st.integers(2, 4),
+    epochs=st.integers(1, 2),
+)
+
+
+# Groups of one sample share nothing, and then the claim is not about sharing: the only
+# difference left is how long each engine takes to move a task's root between the tiers
+# while the next task's root arrives, which can make either peak higher for a moment.
 @PROPS
-@given(trace=traces, cfg=configs, policy=st.sampled_from(["base", "spec", "full"]), seed=st.integers(0, 100))
+@given(trace=shared_traces, cfg=configs, policy=st.sampled_from(["base", "spec", "full"]), seed=st.integers(0, 100))
 def test_bunshin_never_peaks_above_criu(trace, cfg, policy, seed) -> None:
     b = simulate(trace, engine="bunshin", policy=policy, seed=seed, **cfg)
     c = simulate(trace, engine="criu", policy=policy, seed=seed, **cfg)
