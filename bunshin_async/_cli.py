@@ -114,7 +114,7 @@ def _summary(console: Console, trace: Trace, engine: str, policy: str, r: RunRes
     t.add_column("value", justify="right")
     n = len(r.rollouts)
     t.add_row("rollouts", f"{n} ({sum(x.status == 'done' for x in r.rollouts)} done)")
-    t.add_row("steps", str(len(r.steps)))
+    t.add_row("training steps", str(len(r.steps)))
     for e, secs in r.epoch_times.items():
         t.add_row(f"epoch {e} time", f"{secs / 60:.2f} min")
     t.add_row("makespan", f"{r.makespan / 60:.2f} min")
@@ -127,8 +127,12 @@ def _summary(console: Console, trace: Trace, engine: str, policy: str, r: RunRes
     t.add_row("calls", f"{r.calls} ({r.cacheable_calls} cacheable)")
     if r.tree is not None:
         t.add_row("cache hit rate", f"{r.cache_hit_rate:.1%} ({r.tree.hits} skipped)")
-        t.add_row("prefix tree", f"{r.tree.nodes} nodes, hot peak {_gib(r.tree.hot_bytes_peak)} of {_gib(r.tree.hot_budget)} GiB, "
-                  f"{r.tree.demotions} demoted, {r.tree.replayed_calls} calls replayed")
+        t.add_row("prefix tree", f"{r.tree.nodes} nodes ({r.tree.admitted_hot} admitted hot, "
+                  f"{r.tree.admitted_evicted} as call logs), hot peak {_gib(r.tree.hot_bytes_peak)} "
+                  f"of {_gib(r.tree.hot_budget)} GiB")
+        t.add_row("prefix tree tiers", f"{r.tree.demotions} demoted, {r.tree.promotions} promoted, "
+                  f"{r.tree.drops} dropped, {r.tree.replayed_calls} calls replayed")
+        t.add_row("forks made during think time", f"{r.prepared} ({r.prepared_used} used)")
     if r.config.speculation:
         t.add_row("speculation", f"{r.spec.launched} launched, {r.spec.hits} hits, {r.spec.misses} misses")
         t.add_row("speculation wasted work", f"{r.spec.wasted_exec_seconds:,.1f} s of tool time")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -32,7 +32,7 @@ from ._memory import MemoryAccountant, MemoryStatistics
 from ._policy import Finish, Observation, Policy, SampleView
 from ._selector import SpecToolSelector
 from ._trace import RolloutKey, Task, ToolCall, Trace, call_key
-from ._tree import Node, PrefixTree, TreeStatistics, open_prefix_tree
+from ._tree import Node, PrefixTree, Tier, TreeStatistics, open_prefix_tree
 
 __all__ = [
     "SchedulerConfig",
@@ -277,6 +277,10 @@ class RunResult(msgspec.Struct, frozen=True):
     """Speculation statistics."""
     cacheable_calls: int
     """Calls of cacheable tools the policy made."""
+    prepared: int
+    """Forks of cold or evicted prefix-tree nodes made while the model was thinking."""
+    prepared_used: int
+    """Of those, the ones a sample then used (its next call missed the tree)."""
     calls: int
     """Calls the policy made in all."""
 
@@ -302,11 +306,23 @@ class _Branch:
         self.error: BaseException | None = None
 
 
+class _Prep:
+    """A fork of a cold or evicted prefix-tree node being made while the model thinks."""
+
+    __slots__ = ("node", "scope", "done", "ws")
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.scope = anyio.CancelScope()
+        self.done = anyio.Event()
+        self.ws: Workspace | None = None
+
+
 class _Sample:
     """What one running sample holds."""
 
-    __slots__ = ("key", "task", "root", "node", "on_tree", "ws", "ws_node", "branch", "finish",
-                 "calls", "obs", "hits", "spec_hits", "executed")
+    __slots__ = ("key", "task", "root", "node", "on_tree", "ws", "ws_node", "branch", "prep",
+                 "finish", "calls", "obs", "hits", "spec_hits", "executed")
 
     def __init__(self, key: RolloutKey, task: Task, root: Node, on_tree: bool) -> None:
         self.key = key
@@ -317,6 +333,7 @@ class _Sample:
         self.ws: Workspace | None = None  # its own live workspace, made at first need
         self.ws_node: Node | None = None  # the node ``ws`` is in the state of (on the tree)
         self.branch: _Branch | None = None  # its speculative branch, if one runs
+        self.prep: _Prep | None = None  # a fork of ``node`` being made ahead of need
         self.finish: Finish | None = None
         self.calls: list[ToolCall] = []
         self.obs: list[Observation] = []
@@ -379,6 +396,8 @@ class Scheduler:
         self._spec = dict(launched=0, hits=0, misses=0, errors=0, wasted=0.0, hidden=0.0)
         self._calls = 0
         self._cacheable_calls = 0
+        self._prepared = 0
+        self._prepared_used = 0
         self._steps: list[StepTiming | None] = [None] * len(self._plan.steps)
         self._on_progress = on_progress
         self._total = sum(len(g) for step in self._plan.steps for g in step)
@@ -448,6 +467,8 @@ class Scheduler:
                 wasted_exec_seconds=sp["wasted"], hidden_exec_seconds=sp["hidden"],
             ),
             cacheable_calls=self._cacheable_calls,
+            prepared=self._prepared,
+            prepared_used=self._prepared_used,
             calls=self._calls,
         )
 
@@ -514,6 +535,7 @@ class Scheduler:
                     await self._release(ws)
                 if s.branch is not None:
                     await self._discard(s)
+                await self._drop_prep(s)
                 done = s.finish is not None
                 self._results[s.key] = RolloutResult(
                     key=s.key,
@@ -543,11 +565,13 @@ class Scheduler:
         tree = self._tree
         async with anyio.create_task_group() as tg:
             while True:
+                self._maybe_prepare(tg, s)
                 self._maybe_speculate(tg, s, state)
                 action = await self._policy.act(SampleView(s.key, s.task, tuple(s.calls), tuple(s.obs)))
                 if isinstance(action, Finish):
                     if s.branch is not None:
                         await self._discard(s)
+                    await self._drop_prep(s)
                     s.finish = action
                     break
                 call = action
@@ -562,6 +586,7 @@ class Scheduler:
                     if child is not None and child.observation is not None:
                         if s.branch is not None:
                             await self._discard(s)
+                        await self._drop_prep(s)
                         s.node = child
                         s.hits += 1
                         s.calls.append(call)
@@ -591,7 +616,9 @@ class Scheduler:
                     if s.ws is None or (s.on_tree and s.ws_node is not s.node):
                         ws, s.ws = s.ws, None
                         await self._release(ws)
-                        s.ws = await tree.fork(s.node, s.key)
+                        s.ws = await self._take_prep(s)
+                        if s.ws is None:
+                            s.ws = await tree.fork(s.node, s.key)
                         s.ws_node = s.node
                     result = await self._backend.execute(s.ws, call, CallContext(s.key, step))
                     self._sample_memory()
@@ -606,6 +633,51 @@ class Scheduler:
                 s.obs.append(Observation(result.observation_digest, result.observation_size, result.output))
         if self._selector is not None:
             self._selector.observe(s.task.id, s.calls)
+
+    def _maybe_prepare(self, tg: TaskGroup, s: _Sample) -> None:
+        """While the model thinks, rebuild the sample's state if it sits on a cold or evicted
+        node and has no workspace there: if its next call misses, the fork is ready."""
+        if not s.on_tree or s.prep is not None or s.node.tier is Tier.HOT:
+            return
+        if s.ws is not None and s.ws_node is s.node:
+            return
+        prep = _Prep(s.node)
+        s.prep = prep
+        tg.start_soon(self._prepare, prep, s.key)
+
+    async def _prepare(self, prep: _Prep, key: RolloutKey) -> None:
+        assert self._tree is not None
+        try:
+            with prep.scope:
+                prep.ws = await self._tree.fork(prep.node, key)
+                self._prepared += 1
+        finally:
+            prep.done.set()
+
+    async def _take_prep(self, s: _Sample) -> Workspace | None:
+        """The prepared fork of ``s.node``, waiting for it if it is still being made."""
+        prep, s.prep = s.prep, None
+        if prep is None:
+            return None
+        if prep.node is not s.node:
+            s.prep = prep
+            await self._drop_prep(s)
+            return None
+        await prep.done.wait()
+        ws, prep.ws = prep.ws, None
+        if ws is not None:
+            self._prepared_used += 1
+        return ws
+
+    async def _drop_prep(self, s: _Sample) -> None:
+        prep, s.prep = s.prep, None
+        if prep is None:
+            return
+        prep.scope.cancel()
+        with anyio.CancelScope(shield=True):
+            await prep.done.wait()
+        ws, prep.ws = prep.ws, None
+        await self._release(ws)
 
     def _maybe_speculate(self, tg: TaskGroup, s: _Sample, state: _StepState) -> None:
         cfg = self._cfg
@@ -672,18 +744,7 @@ class Scheduler:
         await self._release(ws)
 
 
-async def run_rollouts(
-    backend: Backend,
-    policy: Policy,
-    config: SchedulerConfig,
-    *,
-    selector: SpecToolSelector | None = None,
-    cacheable: Callable[[ToolCall], bool] | None = None,
-    plan: TrainingPlan | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
-) -> RunResult:
-    """Run *policy*'s rollouts on *backend* (see :class:`Scheduler`) and return the result."""
-    sched = Scheduler(
-        backend, policy, config, selector=selector, cacheable=cacheable, plan=plan, on_progress=on_progress
-    )
-    return await sched.run()
+async def run_rollouts(backend: Backend, policy: Policy, config: SchedulerConfig, **options: Any) -> RunResult:
+    """Run *policy*'s rollouts on *backend* and return the result; *options* are the keyword
+    arguments of :class:`Scheduler` (``selector``, ``cacheable``, ``plan``, ``on_progress``)."""
+    return await Scheduler(backend, policy, config, **options).run()

@@ -44,14 +44,18 @@ def small_trace(workload: str, seed: int, tasks: int, group: int, epochs: int):
     return generate(params, seed=seed)
 
 
-traces = st.builds(
-    small_trace,
-    workload=st.sampled_from(["osworld", "webarena"]),
-    seed=st.integers(0, 2**16),
-    tasks=st.integers(1, 4),
-    group=st.integers(1, 4),
-    epochs=st.integers(1, 2),
-)
+def trace_strategy(min_group: int = 1):
+    return st.builds(
+        small_trace,
+        workload=st.sampled_from(["osworld", "webarena"]),
+        seed=st.integers(0, 2**16),
+        tasks=st.integers(1, 4),
+        group=st.integers(min_group, 4),
+        epochs=st.integers(1, 2),
+    )
+
+
+traces = trace_strategy()
 
 configs = st.fixed_dictionaries(
     {
@@ -141,14 +145,7 @@ def test_every_rollout_finishes_once_and_nothing_is_left(trace, cfg, engine, pol
     assert result.memory_timeline[-1][1] == 0
 
 
-shared_traces = st.builds(
-    small_trace,
-    workload=st.sampled_from(["osworld", "webarena"]),
-    seed=st.integers(0, 2**16),
-    tasks=st.integers(1, 4),
-    group=st.integers(2, 4),
-    epochs=st.integers(1, 2),
-)
+shared_traces = trace_strategy(min_group=2)
 
 
 # Groups of one sample share nothing, and then the claim is not about sharing: the only
