@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from ._exceptions import BunshinError
 from ._scheduler import POLICIES, RunResult, SchedulerConfig
@@ -32,6 +33,19 @@ GiB = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def _say(console: Console, text: str) -> None:
+    """Print *text* as it is (file names may hold brackets, which rich would read as markup)."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def parse_page_size(text: str) -> int:
+    """Parse a page size: like :func:`parse_bytes`, at least 1 byte."""
+    n = parse_bytes(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"invalid page size {text!r}; expected at least 1 byte, e.g. 1MiB")
+    return n
 
 
 def parse_bytes(text: str) -> int:
@@ -150,12 +164,12 @@ def cmd_replay(args: argparse.Namespace, console: Console) -> int:
 
         with open(args.json, "wb") as f:
             f.write(msgspec.json.encode(r))
-        console.print(f"wrote {args.json}")
+        _say(console, f"wrote {args.json}")
     if args.plot:
         from ._plot import plot_runs
 
         for path in plot_runs({f"{args.engine}/{args.policy}": r}, args.plot, trace.name):
-            console.print(f"wrote {path}")
+            _say(console, f"wrote {path}")
     return 0
 
 
@@ -163,6 +177,10 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     trace = _load_or_generate(args, console)
     engines = args.engines.split(",")
     policies = args.policies.split(",")
+    for name, items in (("--engines", engines), ("--policies", policies)):
+        dup = sorted({x for x in items if items.count(x) > 1})
+        if dup:
+            raise BunshinError(f"{name} names {', '.join(dup)} more than once; name each once")
     for e in engines:
         if e not in ENGINE_NAMES:
             raise BunshinError(f"unknown engine {e!r} in --engines; expected some of {', '.join(ENGINE_NAMES)}")
@@ -198,7 +216,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         from ._plot import plot_runs
 
         for path in plot_runs(results, args.plot, trace.name):
-            console.print(f"wrote {path}")
+            _say(console, f"wrote {path}")
     return 0
 
 
@@ -215,7 +233,7 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
         trace = generate(params, seed=args.seed)
     dump_trace(trace, args.out)
     steps = sum(len(r.steps) for r in trace.rollouts)
-    console.print(f"wrote {args.out}: {len(trace.tasks)} tasks, {len(trace.rollouts)} rollouts, {steps} steps")
+    _say(console, f"wrote {args.out}: {len(trace.tasks)} tasks, {len(trace.rollouts)} rollouts, {steps} steps")
     return 0
 
 
@@ -225,15 +243,15 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
         try:
             trace = load_trace(path)
         except BunshinError as exc:
-            console.print(f"[red]error[/red] {exc}", highlight=False, soft_wrap=True)
+            console.print(Text("error ", style="red") + Text(str(exc)), highlight=False, soft_wrap=True)
             bad += 1
             continue
         warnings = check_trace(trace)
         for w in warnings:
-            console.print(f"[yellow]{path}[/yellow]: {w}", highlight=False, soft_wrap=True)
+            console.print(Text(path, style="yellow") + Text(f": {w}"), highlight=False, soft_wrap=True)
         steps = sum(len(r.steps) for r in trace.rollouts)
-        console.print(f"{path}: ok, version {trace.version}, {len(trace.tasks)} tasks, "
-                      f"{len(trace.rollouts)} rollouts, {steps} steps, {len(warnings)} warnings", highlight=False)
+        _say(console, f"{path}: ok, version {trace.version}, {len(trace.tasks)} tasks, "
+                      f"{len(trace.rollouts)} rollouts, {steps} steps, {len(warnings)} warnings")
     return 1 if bad else 0
 
 
@@ -253,7 +271,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-budget", type=int, help="speculative branches at once (default 32)")
     p.add_argument("--spec-tail", type=float, help="speculate once at most this share of a step still runs (default 0.25)")
     p.add_argument("--spec-min-confidence", type=float, help="least prediction confidence to speculate on (default 0.3)")
-    p.add_argument("--page-size", type=parse_bytes, default=1 << 20, help="page model resolution (default 1MiB)")
+    p.add_argument("--page-size", type=parse_page_size, default=1 << 20, help="page model resolution (default 1MiB)")
     p.add_argument("--plot", metavar="DIR", help="write PNG figures to DIR")
 
 
@@ -301,7 +319,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.fn(args, console))
     except BunshinError as exc:
-        Console(stderr=True).print(f"bunshin: error: {exc}", highlight=False, soft_wrap=True)
+        _say(Console(stderr=True), f"bunshin: error: {exc}")
+        return 2
+    except OSError as exc:  # writing an output file or folder
+        where = f"{exc.filename}: " if exc.filename else ""
+        _say(Console(stderr=True), f"bunshin: error: {where}{exc.strerror or exc}")
         return 2
     except KeyboardInterrupt:
         return 130

@@ -113,6 +113,8 @@ def simulate(
     Raises:
         ConfigError: On an unknown engine, policy or option.
     """
+    if page_size < 1:
+        raise ConfigError(f"page_size={page_size} is invalid; expected at least 1 byte (default 1 MiB)")
     if config is None:
         config = SchedulerConfig.preset(policy, seed=seed, **overrides)
     elif overrides:

@@ -184,3 +184,26 @@ def test_cancellation_releases_forks_of_a_running_sample() -> None:
     result, backend, keys = run_with_cancellations(trace, "bunshin", "full", {"spec_tail": 1.0, "spec_min_confidence": 0.0}, 0, cancels)
     assert sum(r.status == "cancelled" for r in result.rollouts) >= 1
     assert backend.live_handles() == 0 and backend.working_set() == 0
+
+
+def test_same_result_across_processes(tmp_path) -> None:
+    # no result may depend on Python's per-process hash randomisation
+    import os
+    import subprocess
+    import sys
+
+    from bunshin_async import dump_trace
+
+    path = tmp_path / "t.json"
+    dump_trace(small_trace("webarena", 5, 3, 3, 2), path)
+    outs = []
+    for hashseed in ("1", "2"):
+        out = tmp_path / f"r{hashseed}.json"
+        env = dict(os.environ, PYTHONHASHSEED=hashseed)
+        subprocess.run(
+            [sys.executable, "-m", "bunshin_async._cli", "replay", str(path), "--policy", "full",
+             "--spec-tail", "1.0", "--hot-budget", "256MiB", "--json", str(out)],
+            check=True, env=env, capture_output=True,
+        )
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
