@@ -16,7 +16,8 @@ class MemoryStatistics(msgspec.Struct, frozen=True):
     """A summary of the working set over a run."""
 
     peak_bytes: int
-    """Largest working set seen."""
+    """Largest working set seen, including one that lasted no time (two operations at the
+    same instant); the timeline keeps only the last value at each instant."""
     peak_time: float
     """When it was first reached (seconds since the run started)."""
     total_byte_seconds: float

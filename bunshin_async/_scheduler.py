@@ -234,7 +234,8 @@ class SpecStatistics(msgspec.Struct, frozen=True):
     wasted_exec_seconds: float
     """Tool execution time spent in discarded branches."""
     hidden_exec_seconds: float
-    """Tool execution time of adopted branches that ran while the model was thinking."""
+    """Tool execution time of adopted branches that overlapped the model's thinking (the
+    part the sample did not wait for)."""
 
 
 class StepTiming(msgspec.Struct, frozen=True):
@@ -243,7 +244,8 @@ class StepTiming(msgspec.Struct, frozen=True):
     epoch: int
     """Its epoch."""
     start: float
-    """When its first group started."""
+    """When the step was allowed to start (the previous step, or the one ``staleness``
+    before it, had ended); its rollouts may then still wait for slots."""
     end: float
     """When its last rollout ended (before training time)."""
     rollouts: int
@@ -343,11 +345,14 @@ class _Sample:
 
 
 class _StepState:
-    __slots__ = ("size", "running")
+    """A training step's rollouts: how many, and how many have not finished (queued for a
+    slot or running); speculation is for the step's tail."""
+
+    __slots__ = ("size", "unfinished")
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.running = 0
+        self.unfinished = size
 
 
 class Scheduler:
@@ -520,12 +525,11 @@ class Scheduler:
             self._scopes[s.key] = scope
             start = self._now()
             self._set_running(+1)
-            state.running += 1
             try:
                 with scope:
                     await self._sample_loop(s, state)
             finally:
-                state.running -= 1
+                state.unfinished -= 1
                 self._set_running(-1)
                 del self._scopes[s.key]
                 mem = None
@@ -568,6 +572,7 @@ class Scheduler:
                 self._maybe_prepare(tg, s)
                 self._maybe_speculate(tg, s, state)
                 action = await self._policy.act(SampleView(s.key, s.task, tuple(s.calls), tuple(s.obs)))
+                acted = anyio.current_time()
                 if isinstance(action, Finish):
                     if s.branch is not None:
                         await self._discard(s)
@@ -607,7 +612,8 @@ class Scheduler:
                         s.ws, branch.ws = branch.ws, None
                         s.ws_node = None
                         self._spec["hits"] += 1
-                        self._spec["hidden"] += result.exec_time
+                        assert branch.exec_start is not None
+                        self._spec["hidden"] += max(0.0, min(result.exec_time, acted - branch.exec_start))
                         s.spec_hits += 1
                     else:
                         await self._discard(s)
@@ -656,14 +662,14 @@ class Scheduler:
 
     async def _take_prep(self, s: _Sample) -> Workspace | None:
         """The prepared fork of ``s.node``, waiting for it if it is still being made."""
-        prep, s.prep = s.prep, None
+        prep = s.prep
         if prep is None:
             return None
         if prep.node is not s.node:
-            s.prep = prep
             await self._drop_prep(s)
             return None
-        await prep.done.wait()
+        await prep.done.wait()  # cancelled here, the sample's cleanup still finds s.prep
+        s.prep = None
         ws, prep.ws = prep.ws, None
         if ws is not None:
             self._prepared_used += 1
@@ -683,7 +689,7 @@ class Scheduler:
         cfg = self._cfg
         if not cfg.speculation or self._selector is None or self._spec_active >= cfg.spec_budget:
             return
-        if state.running > math.floor(cfg.spec_tail * state.size + 1e-9):
+        if state.unfinished > math.floor(cfg.spec_tail * state.size + 1e-9):
             return
         preds = self._selector.predict(s.task.id, s.calls, 1)
         if not preds or preds[0].confidence < cfg.spec_min_confidence:
