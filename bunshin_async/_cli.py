@@ -11,6 +11,7 @@ Without a TRACE, replay and compare generate the default workload (``--workload`
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import sys
@@ -307,7 +308,20 @@ def build_parser() -> argparse.ArgumentParser:
     v = tsub.add_parser("validate", help="check trace files; exit 1 if any is invalid")
     v.add_argument("files", nargs="+")
     v.set_defaults(fn=cmd_validate)
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"{__package__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.{name}":
+                raise
+            continue  # TODO(integration): every module listed here must exist
+        module.register(sub, tsub)
     return ap
+
+
+# Modules that add commands: each defines ``register(sub, trace_sub)``, adding parsers to the
+# top-level subcommands and to ``bunshin trace``; a parser's ``fn(args, console) -> int`` runs it.
+_COMMAND_MODULES = ("_cmd_traces", "_cmd_reproduce", "_cmd_live")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
