@@ -8,7 +8,7 @@ writes OSWorld-like and WebArena-like workload traces.
 from ._backend import SimBackend, SimStatistics, ToolModel, ToolOutcome
 from ._engines import ENGINE_NAMES, ENGINES, EngineModel, engine_model
 from ._memory import PageModel, PageUsage
-from ._runner import VirtualTimeLoop, run_virtual, simulate
+from ._runner import Simulation, VirtualTimeLoop, build_simulation, run_virtual, simulate
 from ._workloads import (
     ARGUMENT_KINDS,
     WORKLOADS,
@@ -36,6 +36,7 @@ __all__ = [
     "RewardModel",
     "SimBackend",
     "SimStatistics",
+    "Simulation",
     "StepCount",
     "ToolModel",
     "ToolOutcome",
@@ -43,6 +44,7 @@ __all__ = [
     "VirtualTimeLoop",
     "WORKLOADS",
     "WorkloadParams",
+    "build_simulation",
     "engine_model",
     "generate",
     "run_virtual",

@@ -17,16 +17,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 
 from bunshin_async._exceptions import ConfigError
 from bunshin_async._policy import TracePolicy
-from bunshin_async._scheduler import RunResult, SchedulerConfig, caching_policy, run_rollouts
-from bunshin_async._selector import HistorySelector
+from bunshin_async._scheduler import RunResult, Scheduler, SchedulerConfig, caching_policy
+from bunshin_async._selector import HistorySelector, SpecToolSelector
 from bunshin_async._trace import Trace
 
 from ._backend import SimBackend, ToolModel
 
-__all__ = ["VirtualTimeLoop", "run_virtual", "simulate"]
+__all__ = ["VirtualTimeLoop", "Simulation", "build_simulation", "run_virtual", "simulate"]
 
 T = TypeVar("T")
 
@@ -85,6 +86,58 @@ def run_virtual(fn: Callable[[], Awaitable[T]]) -> T:
     return anyio.run(fn, backend="asyncio", backend_options={"loop_factory": VirtualTimeLoop})
 
 
+class Simulation(msgspec.Struct, frozen=True):
+    """A scheduler wired to a simulated backend, ready to run in virtual time."""
+
+    scheduler: Scheduler
+    """The scheduler (its ``cancel`` and ``plan`` are usable while it runs)."""
+    backend: SimBackend
+    """The simulated backend (its ``live_handles`` and ``statistics`` after the run)."""
+
+    async def run(self) -> RunResult:
+        """Run every rollout, then close the backend; call inside :func:`run_virtual`."""
+        result = await self.scheduler.run()
+        await self.backend.aclose()
+        return result
+
+
+def build_simulation(
+    trace: Trace,
+    *,
+    engine: str = "bunshin",
+    policy: str = "full",
+    seed: int = 0,
+    config: SchedulerConfig | None = None,
+    page_size: int = 1 << 20,
+    check: bool = True,
+    selector: SpecToolSelector | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    **overrides: Any,
+) -> Simulation:
+    """Wire a replay of *trace*: a :class:`SimBackend`, a :class:`TracePolicy` and a
+    :class:`Scheduler` (arguments as for :func:`simulate`)."""
+    if page_size < 1:
+        raise ConfigError(f"page_size={page_size} is invalid; expected at least 1 byte (default 1 MiB)")
+    if config is None:
+        config = SchedulerConfig.preset(policy, seed=seed, **overrides)
+    elif overrides:
+        raise ConfigError("pass either config or keyword overrides, not both")
+    backend = SimBackend(engine, ToolModel(trace), page_size=page_size, seed=seed)
+    if selector is None and config.speculation:
+        # starts empty and learns from rollouts as they finish (earlier epochs, earlier
+        # samples), never from the trajectory it predicts
+        selector = HistorySelector()
+    scheduler = Scheduler(
+        backend,
+        TracePolicy(trace, check=check),
+        config,
+        selector=selector,
+        cacheable=caching_policy(trace),
+        on_progress=on_progress,
+    )
+    return Simulation(scheduler, backend)
+
+
 def simulate(
     trace: Trace,
     *,
@@ -94,6 +147,7 @@ def simulate(
     config: SchedulerConfig | None = None,
     page_size: int = 1 << 20,
     check: bool = True,
+    selector: SpecToolSelector | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     **overrides: Any,
 ) -> RunResult:
@@ -107,35 +161,16 @@ def simulate(
         config: A complete scheduler configuration, instead of *policy* and *overrides*.
         page_size: Resolution of the page model in bytes.
         check: Check every observation against the recording (semantic transparency).
+        selector: The Spec Tool Selector; by default a :class:`HistorySelector` that starts
+            empty, when speculation is on.
         on_progress: Called with ``(finished, total)`` rollouts as they end.
         **overrides: :class:`SchedulerConfig` fields to change from the preset.
 
     Raises:
         ConfigError: On an unknown engine, policy or option.
     """
-    if page_size < 1:
-        raise ConfigError(f"page_size={page_size} is invalid; expected at least 1 byte (default 1 MiB)")
-    if config is None:
-        config = SchedulerConfig.preset(policy, seed=seed, **overrides)
-    elif overrides:
-        raise ConfigError("pass either config or keyword overrides, not both")
-    tools = ToolModel(trace)
-    backend = SimBackend(engine, tools, page_size=page_size, seed=seed)
-    trace_policy = TracePolicy(trace, check=check)
-    # the selector starts empty and learns from rollouts as they finish (earlier epochs,
-    # earlier samples), never from the trajectory it predicts
-    selector = HistorySelector() if config.speculation else None
-
-    async def main() -> RunResult:
-        result = await run_rollouts(
-            backend,
-            trace_policy,
-            config,
-            selector=selector,
-            cacheable=caching_policy(trace),
-            on_progress=on_progress,
-        )
-        await backend.aclose()
-        return result
-
-    return run_virtual(main)
+    sim = build_simulation(
+        trace, engine=engine, policy=policy, seed=seed, config=config, page_size=page_size,
+        check=check, selector=selector, on_progress=on_progress, **overrides,
+    )
+    return run_virtual(sim.run)

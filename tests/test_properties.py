@@ -19,14 +19,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bunshin_async import (
-    HistorySelector,
-    Scheduler,
-    SchedulerConfig,
-    TracePolicy,
-    caching_policy,
-)
-from sim import SimBackend, StepCount, ToolModel, generate, run_virtual, simulate, workload_params
+from sim import StepCount, build_simulation, generate, run_virtual, simulate, workload_params
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -93,15 +86,8 @@ def test_semantic_transparency(trace, cfg, engine, seed) -> None:
 def run_with_cancellations(trace, engine: str, policy: str, cfg: dict, seed: int, cancels: list[tuple[float, int]]):
     """Run *trace* and cancel rollout number i (of the plan) at virtual time t for each
     (t, i) in *cancels*; return the result and the backend."""
-    config = SchedulerConfig.preset(policy, seed=seed, **cfg)
-    backend = SimBackend(engine, ToolModel(trace), seed=seed)
-    sched = Scheduler(
-        backend,
-        TracePolicy(trace),
-        config,
-        selector=HistorySelector() if config.speculation else None,
-        cacheable=caching_policy(trace),
-    )
+    sim = build_simulation(trace, engine=engine, policy=policy, seed=seed, **cfg)
+    sched, backend = sim.scheduler, sim.backend
     keys = [k for step in sched.plan.steps for g in step for k, _ in g]
 
     async def canceller() -> None:
@@ -112,7 +98,7 @@ def run_with_cancellations(trace, engine: str, policy: str, cfg: dict, seed: int
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(canceller)
-            result = await sched.run()
+            result = await sim.run()
             tg.cancel_scope.cancel()
         return result
 

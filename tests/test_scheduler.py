@@ -34,7 +34,7 @@ from bunshin_async import (
     observation_digest,
     plan_steps,
 )
-from sim import SimBackend, ToolModel, run_virtual, simulate
+from sim import SimBackend, ToolModel, build_simulation, run_virtual, simulate
 
 MiB = 1 << 20
 RUNTIME = 64 * MiB
@@ -472,15 +472,8 @@ CANCEL_TRACE = make_trace(
 
 
 def run_and_cancel(trace: Trace, policy: str, at: float, target: RolloutKey, **overrides: Any):
-    config = SchedulerConfig.preset(policy, **overrides)
-    backend = SimBackend("bunshin", ToolModel(trace))
-    sched = Scheduler(
-        backend,
-        TracePolicy(trace),
-        config,
-        selector=HistorySelector() if config.speculation else None,
-        cacheable=caching_policy(trace),
-    )
+    sim = build_simulation(trace, engine="bunshin", policy=policy, **overrides)
+    sched, backend = sim.scheduler, sim.backend
     answers: list[tuple[str, bool]] = []
 
     async def canceller() -> None:
@@ -491,7 +484,7 @@ def run_and_cancel(trace: Trace, policy: str, at: float, target: RolloutKey, **o
     async def main() -> RunResult:
         async with anyio.create_task_group() as tg:
             tg.start_soon(canceller)
-            result = await sched.run()
+            result = await sim.run()
         return result
 
     result = run_virtual(main)
