@@ -40,6 +40,7 @@ __all__ = [
     "RunResult",
     "RolloutResult",
     "SpecStatistics",
+    "StepRecord",
     "StepTiming",
     "TrainingPlan",
     "plan_steps",
@@ -195,6 +196,23 @@ def caching_policy(trace: Trace) -> Callable[[ToolCall], bool]:
     return cacheable
 
 
+class StepRecord(msgspec.Struct, frozen=True):
+    """How one call of a sample was served."""
+
+    call: ToolCall
+    """The call the policy made."""
+    result: ToolResult
+    """Its result (without the output bytes): for a cache hit, the result recorded when the
+    call first ran; the observation is the one the sample was shown."""
+    source: Literal["executed", "cache", "speculation"]
+    """``executed`` in the sample's workspace, ``cache`` from the prefix tree, or
+    ``speculation`` from an adopted speculative branch."""
+    issued: float
+    """When the policy emitted the call (seconds since the run began)."""
+    served: float
+    """When the sample had its observation."""
+
+
 class RolloutResult(msgspec.Struct, frozen=True):
     """How one rollout went."""
 
@@ -210,6 +228,8 @@ class RolloutResult(msgspec.Struct, frozen=True):
     """The reward, None if cancelled."""
     observations: list[str]
     """Digest of each observation the sample was shown, in order."""
+    steps: list[StepRecord]
+    """How each call was served, in order."""
     cache_hits: int
     """Calls skipped because the prefix tree held their result."""
     spec_hits: int
@@ -324,7 +344,7 @@ class _Sample:
     """What one running sample holds."""
 
     __slots__ = ("key", "task", "root", "node", "on_tree", "ws", "ws_node", "branch", "prep",
-                 "finish", "calls", "obs", "hits", "spec_hits", "executed")
+                 "finish", "calls", "obs", "records", "hits", "spec_hits", "executed")
 
     def __init__(self, key: RolloutKey, task: Task, root: Node, on_tree: bool) -> None:
         self.key = key
@@ -339,6 +359,7 @@ class _Sample:
         self.finish: Finish | None = None
         self.calls: list[ToolCall] = []
         self.obs: list[Observation] = []
+        self.records: list[StepRecord] = []
         self.hits = 0
         self.spec_hits = 0
         self.executed = 0
@@ -548,6 +569,7 @@ class Scheduler:
                     end=self._now(),
                     reward=s.finish.reward if s.finish is not None else None,
                     observations=[o.digest for o in s.obs],
+                    steps=s.records,
                     cache_hits=s.hits,
                     spec_hits=s.spec_hits,
                     executed=s.executed,
@@ -555,6 +577,11 @@ class Scheduler:
                 )
                 if self._on_progress is not None:
                     self._on_progress(len(self._results), self._total)
+
+    def _record(self, call: ToolCall, result: ToolResult, source: str, issued: float) -> StepRecord:
+        if result.output is not None:
+            result = msgspec.structs.replace(result, output=None)
+        return StepRecord(call, result, source, issued - self._t0, self._now())  # type: ignore[arg-type]
 
     def _set_running(self, delta: int) -> None:
         self._running += delta
@@ -596,6 +623,8 @@ class Scheduler:
                         s.hits += 1
                         s.calls.append(call)
                         s.obs.append(child.observation)
+                        if child.result is not None:
+                            s.records.append(self._record(call, child.result, "cache", acted))
                         continue
                 # 2. an adopted speculative branch
                 if s.branch is not None:
@@ -611,6 +640,7 @@ class Scheduler:
                         await self._release(s.ws)
                         s.ws, branch.ws = branch.ws, None
                         s.ws_node = None
+                        source = "speculation"
                         self._spec["hits"] += 1
                         assert branch.exec_start is not None
                         self._spec["hidden"] += max(0.0, min(result.exec_time, acted - branch.exec_start))
@@ -619,6 +649,7 @@ class Scheduler:
                         await self._discard(s)
                 # 3. run it in the sample's own workspace
                 if result is None:
+                    source = "executed"
                     if s.ws is None or (s.on_tree and s.ws_node is not s.node):
                         ws, s.ws = s.ws, None
                         await self._release(ws)
@@ -637,6 +668,7 @@ class Scheduler:
                         s.on_tree = False
                 s.calls.append(call)
                 s.obs.append(Observation(result.observation_digest, result.observation_size, result.output))
+                s.records.append(self._record(call, result, source, acted))
         if self._selector is not None:
             self._selector.observe(s.task.id, s.calls)
 

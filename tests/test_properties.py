@@ -126,6 +126,13 @@ def test_every_rollout_finishes_once_and_nothing_is_left(trace, cfg, engine, pol
         else:
             assert r.status == "done"
             assert r.reward is not None
+        # every call the sample was shown is recorded with how it was served
+        assert [x.result.observation_digest for x in r.steps] == r.observations
+        sources = [x.source for x in r.steps]
+        assert sources.count("cache") == r.cache_hits
+        assert sources.count("speculation") == r.spec_hits
+        assert sources.count("executed") <= r.executed  # a cancel may land after execution
+        assert all(x.issued <= x.served for x in r.steps)
     assert backend.live_handles() == 0
     assert backend.working_set() == 0
     assert result.memory_timeline[-1][1] == 0
