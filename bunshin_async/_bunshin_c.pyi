@@ -1,0 +1,192 @@
+"""Linux syscalls the live backend needs, and an exact page scanner.
+
+Built from ``cext/`` by meson. Every wrapper raises the :class:`OSError` subclass
+that matches errno (``ESRCH`` -> :class:`ProcessLookupError`, ``EPERM`` ->
+:class:`PermissionError`, ``ENOENT`` -> :class:`FileNotFoundError`, ...); its
+``strerror`` names the syscall, so the message reads
+``[Errno 3] pidfd_open: No such process`` or, for path arguments,
+``[Errno 2] mount: No such file or directory: '/missing'``.
+"""
+
+import os
+import signal
+from collections.abc import Sequence
+from typing import Final, final
+
+StrOrBytesPath = str | bytes | os.PathLike[str] | os.PathLike[bytes]
+
+CLONE_NEWNS: Final[int]
+CLONE_NEWPID: Final[int]
+CLONE_NEWNET: Final[int]
+CLONE_NEWUTS: Final[int]
+CLONE_NEWIPC: Final[int]
+CLONE_NEWCGROUP: Final[int]
+CLONE_NEWTIME: Final[int]
+CLONE_NEWUSER: Final[int]
+CLONE_INTO_CGROUP: Final[int]
+CLONE_PIDFD: Final[int]
+CLONE_CLEAR_SIGHAND: Final[int]
+CLONE_PARENT: Final[int]
+CLONE_FILES: Final[int]
+CLONE_FS: Final[int]
+CLONE_SYSVSEM: Final[int]
+
+MS_RDONLY: Final[int]
+MS_NOSUID: Final[int]
+MS_NODEV: Final[int]
+MS_NOEXEC: Final[int]
+MS_BIND: Final[int]
+MS_REC: Final[int]
+MS_PRIVATE: Final[int]
+MS_SLAVE: Final[int]
+MS_SHARED: Final[int]
+MS_UNBINDABLE: Final[int]
+MS_REMOUNT: Final[int]
+MS_MOVE: Final[int]
+MS_NOATIME: Final[int]
+MS_NODIRATIME: Final[int]
+MS_STRICTATIME: Final[int]
+MS_RELATIME: Final[int]
+
+MNT_DETACH: Final[int]
+MNT_FORCE: Final[int]
+MNT_EXPIRE: Final[int]
+UMOUNT_NOFOLLOW: Final[int]
+
+PIDFD_NONBLOCK: Final[int]
+
+def clone3(
+    flags: int,
+    *,
+    cgroup_fd: int = -1,
+    set_tid: Sequence[int] = (),
+    exit_signal: int = signal.SIGCHLD,
+) -> tuple[int, int]:
+    """Create a child process with clone3(2), fork-like.
+
+    Runs ``PyOS_BeforeFork()`` before the syscall and ``PyOS_AfterFork_Parent()``
+    or ``PyOS_AfterFork_Child()`` after it, exactly as :func:`os.fork`, so the
+    child may run Python (set up mounts, then :func:`os.execve` or
+    :func:`os._exit`). As with :func:`os.fork`, the GIL is not released.
+
+    Args:
+        flags: ``CLONE_*`` flags. Flags that are not fork-like (``CLONE_VM``,
+            ``CLONE_THREAD``, ``CLONE_SIGHAND``, ``CLONE_VFORK``, ``CLONE_SETTLS``,
+            ``CLONE_*_SETTID``, ``CLONE_CHILD_CLEARTID``) raise
+            :class:`ValueError`.
+        cgroup_fd: With ``CLONE_INTO_CGROUP`` (and only with it), an fd of a
+            cgroup v2 directory the child starts in.
+        set_tid: The child's pid in each pid namespace level, innermost first
+            (at most 32 entries, each > 0; needs ``CAP_CHECKPOINT_RESTORE``).
+        exit_signal: Signal sent to the parent when the child exits.
+
+    Returns:
+        ``(child_pid, pidfd)`` in the parent (``pidfd`` is a close-on-exec fd
+        with ``CLONE_PIDFD``, else -1); ``(0, -1)`` in the child.
+
+    Raises:
+        OSError: The subclass for errno; the message names ``clone3``.
+    """
+
+def pidfd_open(pid: int, flags: int = 0) -> int:
+    """Return a pidfd (close-on-exec) for ``pid``; ``flags`` may be ``PIDFD_NONBLOCK``.
+
+    Raises:
+        ProcessLookupError: No such process (the message names ``pidfd_open``).
+    """
+
+def pidfd_send_signal(pidfd: int, sig: int, flags: int = 0) -> None:
+    """Send ``sig`` to the process ``pidfd`` refers to.
+
+    Raises:
+        ProcessLookupError: The process has exited.
+        OSError: ``EBADF`` for an fd that is not a pidfd, ...
+    """
+
+def pidfd_getfd(pidfd: int, targetfd: int, flags: int = 0) -> int:
+    """Duplicate fd ``targetfd`` of the process ``pidfd`` refers to; return the copy.
+
+    The new fd is close-on-exec. Needs ptrace access to the process.
+    """
+
+def setns(fd: int, nstype: int = 0) -> None:
+    """Join the namespace ``fd`` refers to (a ``/proc/PID/ns/*`` file, ``nstype``
+    0 or its ``CLONE_NEW*`` type), or the namespaces of a pidfd (``nstype`` a mask
+    of ``CLONE_NEW*`` flags)."""
+
+def unshare(flags: int) -> None:
+    """Move the calling process into new namespaces (``CLONE_NEW*`` flags)."""
+
+def mount(
+    source: StrOrBytesPath | None,
+    target: StrOrBytesPath,
+    fstype: str | bytes | None = None,
+    flags: int = 0,
+    data: str | bytes | None = None,
+) -> None:
+    """mount(2); ``source``, ``fstype`` and ``data`` may be None.
+
+    Raises:
+        FileNotFoundError: ``target`` does not exist (the message names
+            ``mount`` and the target).
+    """
+
+def umount2(target: StrOrBytesPath, flags: int = 0) -> None:
+    """umount2(2); ``flags``: ``MNT_DETACH``, ``MNT_FORCE``, ``MNT_EXPIRE``,
+    ``UMOUNT_NOFOLLOW``."""
+
+def pivot_root(new_root: StrOrBytesPath, put_old: StrOrBytesPath) -> None:
+    """pivot_root(2): make ``new_root`` the root mount of this mount namespace
+    and move the old root under ``put_old``."""
+
+@final
+class PageScan(tuple[int, int, int, int, int, dict[int, tuple[int, int, int, int]]]):
+    """Result of :func:`scan_pages`: page counts (multiply by ``page_size`` for bytes).
+
+    ``resident == private + shared_inside + shared_outside``, and the same holds
+    for each ``per_pid`` tuple.
+    """
+
+    n_fields: Final[int]
+    n_sequence_fields: Final[int]
+    n_unnamed_fields: Final[int]
+    @property
+    def page_size(self) -> int:
+        """Bytes per page."""
+    @property
+    def resident(self) -> int:
+        """Unique present physical pages mapped by the set (each PFN once)."""
+    @property
+    def private(self) -> int:
+        """Pages mapped once, by one process of the set, and by nothing else."""
+    @property
+    def shared_inside(self) -> int:
+        """Pages mapped more than once, every mapping inside the set."""
+    @property
+    def shared_outside(self) -> int:
+        """Pages also mapped outside the set (kpagecount > mappings in the set)."""
+    @property
+    def per_pid(self) -> dict[int, tuple[int, int, int, int]]:
+        """pid -> ``(resident, private, shared_inside, shared_outside)``.
+
+        For one process: private = mapped by that process only; shared_inside =
+        also mapped by another process of the set and by nothing outside;
+        shared_outside = also mapped outside the set.
+        """
+
+def scan_pages(pids: Sequence[int]) -> PageScan:
+    """Count the physical pages a set of processes maps, exactly.
+
+    Reads ``/proc/PID/maps``, ``/proc/PID/pagemap`` and ``/proc/kpagecount``;
+    each physical page is counted once for the set. Pages not present
+    (swapped out), ``[vsyscall]`` and pages the kernel does not count
+    (kpagecount 0: the zero page, raw PFN mappings) are skipped. A pid given
+    twice is scanned once. The GIL is released while scanning.
+
+    Raises:
+        ProcessLookupError: A pid does not exist or exited during the scan
+            (the message names the pid and the /proc file).
+        PermissionError: Not root: PFNs read as 0 (names ``/proc/PID/pagemap``)
+            or ``/proc/kpagecount`` cannot be opened.
+        ValueError: A pid is not positive.
+    """
