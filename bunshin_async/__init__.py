@@ -11,6 +11,16 @@ from ._exceptions import (
     TransparencyError,
     WorkspaceReleasedError,
 )
+from ._importers import (
+    IMPORT_FORMATS,
+    ImportModel,
+    import_asciinema,
+    import_openai,
+    import_swe_agent,
+    import_trace,
+    observation_index,
+    observation_values,
+)
 from ._memory import MemoryAccountant, MemoryStatistics
 from ._policy import Finish, Observation, Policy, SampleView, TracePolicy
 from ._scheduler import (
@@ -27,7 +37,23 @@ from ._scheduler import (
     plan_steps,
     run_rollouts,
 )
-from ._selector import HistorySelector, Prediction, SpecToolSelector
+from ._selector import (
+    BlendSelector,
+    FrequencySelector,
+    HistorySelector,
+    NameBigramSelector,
+    Prediction,
+    SpecToolSelector,
+)
+from ._stats import (
+    GroupShare,
+    ReliabilityBin,
+    SelectorScore,
+    TraceStats,
+    evaluate_selectors,
+    loto_folds,
+    trace_stats,
+)
 from ._trace import (
     TRACE_VERSION,
     MemoryProfile,
@@ -52,21 +78,28 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend",
     "BackendError",
+    "BlendSelector",
     "BunshinError",
     "CallContext",
     "ColdSnapshot",
     "ConfigError",
     "Finish",
+    "FrequencySelector",
+    "GroupShare",
     "HistorySelector",
+    "IMPORT_FORMATS",
+    "ImportModel",
     "MemoryAccountant",
     "MemoryProfile",
     "MemoryStatistics",
+    "NameBigramSelector",
     "Node",
     "Observation",
     "POLICIES",
     "Policy",
     "Prediction",
     "PrefixTree",
+    "ReliabilityBin",
     "Rollout",
     "RolloutKey",
     "RolloutResult",
@@ -74,6 +107,7 @@ __all__ = [
     "SampleView",
     "Scheduler",
     "SchedulerConfig",
+    "SelectorScore",
     "SpecStatistics",
     "SpecToolSelector",
     "Step",
@@ -87,6 +121,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "TracePolicy",
+    "TraceStats",
     "TrainingPlan",
     "TransparencyError",
     "TreeStatistics",
@@ -99,9 +134,18 @@ __all__ = [
     "decode_trace",
     "dump_trace",
     "encode_trace",
+    "evaluate_selectors",
+    "import_asciinema",
+    "import_openai",
+    "import_swe_agent",
+    "import_trace",
     "load_trace",
+    "loto_folds",
     "observation_digest",
+    "observation_index",
+    "observation_values",
     "open_prefix_tree",
     "plan_steps",
     "run_rollouts",
+    "trace_stats",
 ]

@@ -88,6 +88,23 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     runs (the tail that decides when the step ends); 1.0 speculates for every sample."""
     spec_min_confidence: float = 0.3
     """Speculate only on a prediction at least this confident."""
+    spec_rule: Literal["benefit", "confidence"] = "benefit"
+    """When a confident enough prediction runs. ``confidence``: whenever it reaches
+    ``spec_min_confidence``. ``benefit``: also only when its expected saving beats its
+    expected cost, ``c * E > spec_waste_weight * (1 - c) * E + F``, where ``c`` is the
+    prediction's confidence, ``E`` the mean execution time of that tool in this run so far
+    (``spec_exec_prior`` before any call of it has run) and ``F`` the fork cost
+    (``spec_fork_cost``)."""
+    spec_waste_weight: float = 1.0
+    """In the ``benefit`` rule, what a second of wasted tool time in a discarded branch
+    costs, relative to a second saved by an adopted one (below 1 when spare capacity is
+    cheap, above when branches compete with real work)."""
+    spec_exec_prior: float = 1.0
+    """In the ``benefit`` rule, the expected execution time, in seconds, of a tool that has
+    not run in this run yet (the mean over tools that have run is used once there is one)."""
+    spec_fork_cost: float | None = None
+    """In the ``benefit`` rule, the seconds one speculative fork costs; None takes the mean
+    time the speculative forks of this run have taken so far (0 before the first)."""
     seed: int = 0
     """Seed of the run's one random stream (tie-breaking; reserved for policies)."""
 
@@ -130,6 +147,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise bad("spec_tail", "a share between 0 and 1")
         if not 0.0 <= self.spec_min_confidence <= 1.0:
             raise bad("spec_min_confidence", "a probability between 0 and 1")
+        if self.spec_waste_weight < 0:
+            raise bad("spec_waste_weight", "a weight >= 0")
+        if self.spec_exec_prior < 0:
+            raise bad("spec_exec_prior", "seconds >= 0")
+        if self.spec_fork_cost is not None and self.spec_fork_cost < 0:
+            raise bad("spec_fork_cost", "seconds >= 0 or None")
 
 
 class TrainingPlan(msgspec.Struct, frozen=True):
@@ -419,6 +442,8 @@ class Scheduler:
         self._running = 0
         self._running_tl: list[tuple[float, int]] = []
         self._spec_active = 0
+        self._exec_seen: dict[str, list[float]] = {}  # tool -> [total seconds, calls]
+        self._fork_seen = [0.0, 0]  # speculative forks: total seconds, count
         self._spec = dict(launched=0, hits=0, misses=0, errors=0, wasted=0.0, hidden=0.0)
         self._calls = 0
         self._cacheable_calls = 0
@@ -660,6 +685,7 @@ class Scheduler:
                     result = await self._backend.execute(s.ws, call, CallContext(s.key, step))
                     self._sample_memory()
                     s.executed += 1
+                    self._note_exec(call, result)
                 if s.on_tree:
                     if cacheable:
                         s.node = await tree.insert(s.node, call, result, s.ws)
@@ -717,13 +743,45 @@ class Scheduler:
         ws, prep.ws = prep.ws, None
         await self._release(ws)
 
+    def _note_exec(self, call: ToolCall, result: ToolResult) -> None:
+        """Remember how long *call*'s tool ran (for the speculation rule)."""
+        seen = self._exec_seen.setdefault(call.name, [0.0, 0])
+        seen[0] += result.exec_time
+        seen[1] += 1
+
+    def _expected_exec(self, name: str) -> float:
+        """Mean execution time of tool *name* so far; of all tools if it has not run yet;
+        ``spec_exec_prior`` before any call has run."""
+        seen = self._exec_seen.get(name)
+        if seen and seen[1]:
+            return seen[0] / seen[1]
+        total = sum(v[0] for v in self._exec_seen.values())
+        n = sum(v[1] for v in self._exec_seen.values())
+        return total / n if n else self._cfg.spec_exec_prior
+
+    def _worth_speculating(self, call: ToolCall, confidence: float) -> bool:
+        """The ``benefit`` rule: expected saving beats expected waste plus the fork."""
+        cfg = self._cfg
+        exec_time = self._expected_exec(call.name)
+        if cfg.spec_fork_cost is not None:
+            fork = cfg.spec_fork_cost
+        else:
+            fork = self._fork_seen[0] / self._fork_seen[1] if self._fork_seen[1] else 0.0
+        saving = confidence * exec_time
+        cost = cfg.spec_waste_weight * (1.0 - confidence) * exec_time + fork
+        return saving > cost
+
     def _maybe_speculate(self, tg: TaskGroup, s: _Sample, state: _StepState) -> None:
+        """While the model thinks, run the selector's top prediction in a fork when the sample
+        is in its step's tail, a branch slot is free, the prediction is cacheable, not in the
+        prefix tree, at least ``spec_min_confidence`` confident and, under the ``benefit``
+        rule, expected to save more than it wastes (see :class:`SchedulerConfig`)."""
         cfg = self._cfg
         if not cfg.speculation or self._selector is None or self._spec_active >= cfg.spec_budget:
             return
         if state.unfinished > math.floor(cfg.spec_tail * state.size + 1e-9):
             return
-        preds = self._selector.predict(s.task.id, s.calls, 1)
+        preds = self._selector.predict(s.task.id, s.calls, 1, observations=s.obs)
         if not preds or preds[0].confidence < cfg.spec_min_confidence:
             return
         call = preds[0].call
@@ -731,6 +789,8 @@ class Scheduler:
             return
         if s.on_tree and call_key(call) in s.node.children:
             return  # the tree answers it anyway
+        if cfg.spec_rule == "benefit" and not self._worth_speculating(call, preds[0].confidence):
+            return
         source: Workspace | Node
         if s.ws is not None and (not s.on_tree or s.ws_node is s.node):
             source = s.ws
@@ -750,15 +810,19 @@ class Scheduler:
         assert self._tree is not None
         try:
             with branch.scope:
+                started = anyio.current_time()
                 if isinstance(source, Node):
                     branch.ws = await self._tree.fork(source, key)
                 else:
                     branch.ws = await self._backend.fork(source)
                 self._sample_memory()
                 branch.exec_start = anyio.current_time()
+                self._fork_seen[0] += branch.exec_start - started
+                self._fork_seen[1] += 1
                 branch.result = await self._backend.execute(
                     branch.ws, branch.call, CallContext(key, step, "speculate")
                 )
+                self._note_exec(branch.call, branch.result)
                 self._sample_memory()
         except BackendError as exc:
             branch.error = exc
