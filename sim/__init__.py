@@ -8,6 +8,16 @@ writes OSWorld-like and WebArena-like workload traces.
 from ._backend import SimBackend, SimStatistics, ToolModel, ToolOutcome
 from ._engines import ENGINE_NAMES, ENGINES, EngineModel, engine_model
 from ._memory import PageModel, PageUsage
+from ._reproduce import (
+    CALIBRATIONS,
+    AccuracySelector,
+    Calibration,
+    Comparison,
+    load_calibration,
+    reproduce,
+    run_calibrated,
+    shareable_after,
+)
 from ._runner import Simulation, VirtualTimeLoop, build_simulation, run_virtual, simulate
 from ._workloads import (
     ARGUMENT_KINDS,
@@ -24,6 +34,14 @@ from ._workloads import (
 )
 
 __all__ = [
+    "AccuracySelector",
+    "CALIBRATIONS",
+    "Calibration",
+    "Comparison",
+    "load_calibration",
+    "reproduce",
+    "run_calibrated",
+    "shareable_after",
     "ARGUMENT_KINDS",
     "ENGINES",
     "ENGINE_NAMES",
