@@ -35,7 +35,9 @@ pytestmark = [
 
 from bunshin_async._container import open_container
 
-PY = sys.executable
+# A Python the workspace can see: /tmp, /var/tmp and /run are emptied inside it, so an
+# interpreter living there (a venv in /tmp) is not; the system one always is.
+PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 
 
 def make_spec(**over):
@@ -318,7 +320,7 @@ CONTROLLER = textwrap.dedent("""
 
 @pytest.mark.parametrize("stage", ["cgroups", "booted", "running"])
 def test_gc_after_controller_sigkill(state, stage):
-    proc = subprocess.Popen([PY, "-c", CONTROLLER, state.path, stage], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", CONTROLLER, state.path, stage], stdout=subprocess.PIPE, text=True)
     try:
         if stage == "running":
             assert proc.stdout.readline() == "running\n"
