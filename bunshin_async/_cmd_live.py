@@ -2,7 +2,8 @@
 
 ``bunshin gc``        remove what killed runs left behind (cgroups, processes, veths, directories);
 ``bunshin ws list``   list the workspaces and layers recorded in the state directory;
-``bunshin ws exec``   start a workspace from a spec, run one command or tool call in it, remove it.
+``bunshin ws exec``   start a workspace from a spec, run one command or tool call in it, remove it;
+``bunshin run``       replay a trace's calls in real workspaces and record a live trace.
 """
 
 from __future__ import annotations
@@ -102,6 +103,72 @@ def cmd_ws_exec(args: argparse.Namespace, console: Console) -> int:
     return result.status if result.status >= 0 else 128 - result.status
 
 
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    """``bunshin run [SPEC] [TRACE]``: replay a trace's calls in real workspaces."""
+    import anyio
+    import msgspec
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ._cli import _summary
+    from ._live import LiveBackend, demo_trace, live_trace
+    from ._policy import TracePolicy
+    from ._scheduler import SchedulerConfig, caching_policy, plan_steps
+    from ._selector import HistorySelector
+    from ._spec import load_spec
+    from ._trace import dump_trace, load_trace
+
+    spec = load_spec(args.spec or default_spec_path())
+    trace = load_trace(args.trace) if args.trace else demo_trace(spec, seed=args.seed)
+    undeclared = sorted({s.call.name for r in trace.rollouts for s in r.steps} - set(spec.tools))
+    if undeclared:
+        raise ConfigError(
+            f"{args.trace}: calls tools the spec {spec.path or spec.name} does not declare: "
+            f"{', '.join(undeclared)}; declare them under [tools] or pick another spec"
+        )
+    over: dict[str, Any] = {"seed": args.seed}
+    for name in ("batch_tasks", "group_size", "max_concurrent", "hot_budget"):
+        v = getattr(args, name)
+        if v is not None:
+            over[name] = v
+    config = SchedulerConfig.preset(args.policy, **over)
+    # live observations differ from the ones recorded elsewhere: replay the calls, not checks
+    policy = TracePolicy(trace, check=False, think_scale=args.think_scale)
+    total = sum(len(g) for step in plan_steps(policy.planned(), config).steps for g in step)
+
+    async def main() -> Any:
+        from ._scheduler import Scheduler
+
+        async with LiveBackend(spec, state=_state(args), memory_interval=args.memory_interval) as backend:
+            with Progress(TextColumn(f"live {args.policy}"), BarColumn(), MofNCompleteColumn(),
+                          TextColumn("rollouts"), TimeElapsedColumn(), console=console, transient=True,
+                          disable=not console.is_terminal) as progress:
+                tid = progress.add_task("run", total=total)
+                sched = Scheduler(
+                    backend, policy, config,
+                    selector=HistorySelector() if config.speculation else None,
+                    cacheable=lambda call: bool(spec.tools.get(call.name) and spec.tools[call.name].cacheable),
+                    on_progress=lambda done, _total: progress.update(tid, completed=done),
+                )
+                result = await sched.run()
+            recorded = live_trace(trace, result, backend)
+            return result, recorded, backend.statistics()
+
+    result, recorded, stats = anyio.run(main)
+    _summary(console, trace, "restart (live)", args.policy, result)
+    _say(console, f"live backend: {stats.creates} workspaces booted, {stats.forks} forks "
+                  f"({stats.replayed_calls} stateful calls replayed), {stats.snapshots} snapshots, "
+                  f"{stats.executions} calls run ({stats.failed_calls} failed), "
+                  f"{stats.demotes} layers archived, {stats.promotes} restored")
+    dump_trace(recorded, args.out)
+    _say(console, f"wrote {args.out}: the live trace ({len(recorded.rollouts)} rollouts); replay it with "
+                  f"`bunshin replay {args.out}`")
+    if args.json:
+        with open(args.json, "wb") as f:
+            f.write(msgspec.json.encode(result))
+        _say(console, f"wrote {args.json}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction, trace_sub: argparse._SubParsersAction) -> None:
     """Add the live commands to the ``bunshin`` parser."""
     state_help = "state directory (default $BUNSHIN_STATE_DIR or /run/bunshin)"
@@ -125,4 +192,21 @@ def register(sub: argparse._SubParsersAction, trace_sub: argparse._SubParsersAct
     w.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...] (one argument: a shell command)")
     w.set_defaults(fn=cmd_ws_exec)
 
-    # `bunshin run SPEC TRACE` (the live backend driving the scheduler) is registered here.
+    from ._cli import parse_bytes
+
+    p = sub.add_parser("run", help="run a trace's calls in real workspaces (root) and record a live trace")
+    p.add_argument("spec", nargs="?", help="workspace spec (default: the bundled examples/workspace.toml)")
+    p.add_argument("trace", nargs="?", help="trace whose calls to run (default: a demo trace for the spec)")
+    p.add_argument("--policy", choices=("base", "spec", "full"), default="full", help="default full")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-tasks", type=int, help="groups per training step (default 32)")
+    p.add_argument("--group-size", type=int, help="samples per group (default: all the trace has)")
+    p.add_argument("--max-concurrent", type=int, help="workspaces running rollouts at once")
+    p.add_argument("--hot-budget", type=parse_bytes, help="prefix-tree hot tier budget")
+    p.add_argument("--think-scale", type=float, default=1.0, help="multiply recorded think times (default 1)")
+    p.add_argument("--memory-interval", type=float, default=0.5,
+                   help="seconds between page-scanner measurements of the working set (default 0.5)")
+    p.add_argument("--out", default="live-trace.json", help="where to write the live trace (default live-trace.json)")
+    p.add_argument("--json", metavar="FILE", help="write the whole run result as JSON")
+    p.add_argument("--state-dir", help=state_help)
+    p.set_defaults(fn=cmd_run)

@@ -87,6 +87,23 @@ class LayerStore:
             if layer.refs <= 0:
                 _rmtree(layer.path)
 
+    def adopt(self, path: Path, below: Sequence[Layer]) -> tuple[Layer, ...]:
+        """Move the directory *path* (a kept upper directory) into the store as a new layer
+        and return the held stack ``(new,) + below`` (flattened if too deep)."""
+        dest = self.root / "layers" / f"kept-{os.getpid()}-{self._n + 1}"
+        self._n += 1
+        os.rename(path, dest)
+        return self._stack(Layer(dest), below)
+
+    def _stack(self, layer: Layer, below: Sequence[Layer]) -> tuple[Layer, ...]:
+        stack = (layer, *below)
+        if len(stack) > self.flatten_depth:
+            merged = self.flatten(stack)
+            if layer.refs == 0:
+                _rmtree(layer.path)
+            return merged
+        return self.hold(stack)
+
     def capture(self, upper: Path, below: Sequence[Layer]) -> tuple[Layer, ...]:
         """Copy the upper directory *upper* into a new layer and return the held stack
         ``(new,) + below`` (flattened if deeper than ``flatten_depth``)."""
@@ -96,14 +113,7 @@ class LayerStore:
         except BaseException:
             _rmtree(path)
             raise
-        layer = Layer(path)
-        stack = (layer, *below)
-        if len(stack) > self.flatten_depth:
-            merged = self.flatten(stack)
-            if layer.refs == 0:
-                _rmtree(layer.path)
-            return merged
-        return self.hold(stack)
+        return self._stack(Layer(path), below)
 
     def flatten(self, stack: Sequence[Layer]) -> tuple[Layer, ...]:
         """Merge *stack* (topmost first) into one new layer; return it, held."""

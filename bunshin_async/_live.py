@@ -1,0 +1,480 @@
+"""The live backend: real containers on this host, forked through file-system snapshots.
+
+:class:`LiveBackend` implements :class:`Backend` with the ``restart`` engine:
+
+- ``create`` boots a workspace of the spec on its root file system (:mod:`._container`);
+- ``freeze`` stops the workspace and keeps its overlay upper directory as a read-only layer
+  (:mod:`._layers`) on top of the layers it already stood on; ``snapshot`` freezes it
+  (cgroup freeze), copies the upper directory into a new layer and thaws it;
+- ``fork`` boots a workspace on the snapshot's layers with a fresh upper directory and
+  replays, in order, the calls of the snapshot's log whose tool is ``stateful`` (their effect
+  lives in process state, which a file-system snapshot does not hold); forking a live
+  workspace snapshots it first;
+- ``demote`` archives a snapshot's own layer (its delta against its parent) with tar;
+  ``promote`` extracts it again on top of the parent's layers;
+- memory is measured, not modelled: the page scanner (``/proc/PID/pagemap`` and
+  ``/proc/kpagecount``) over the processes of the workspaces, and the workspaces' memory
+  cgroups for the bytes a call dirtied.
+
+Snapshots of this engine hold no memory (their processes are gone), so
+:meth:`LiveBackend.snapshot_charge` is 0. Every layer lives under one directory recorded in
+the state directory, so ``bunshin gc`` removes it if the controller is killed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from ._backend import Backend, CallContext, ColdSnapshot, ToolResult, Workspace, WorkspaceMemory
+from ._container import Container, ExecResult, open_container
+from ._exceptions import BackendError, ConfigError, WorkspaceReleasedError
+from ._layers import Layer, LayerStore
+from ._spec import WorkspaceSpec
+from ._state import StateDir, gc, remove_tree
+from ._scheduler import RunResult
+from ._trace import TRACE_VERSION, MemoryProfile, Rollout, Step, Task, ToolCall, Trace, observation_digest
+
+__all__ = ["LiveBackend", "LiveStatistics", "demo_trace", "live_trace", "observation_bytes"]
+
+
+class LiveStatistics(msgspec.Struct, frozen=True):
+    """What a live backend did."""
+
+    creates: int
+    """Workspaces booted by ``create``."""
+    forks: int
+    """Workspaces booted by ``fork``."""
+    snapshots: int
+    """Snapshots taken (``freeze`` and ``snapshot``)."""
+    replayed_calls: int
+    """Stateful calls replayed in forks."""
+    demotes: int
+    """Layers archived to the cold tier."""
+    promotes: int
+    """Layers extracted from the cold tier."""
+    executions: int
+    """Tool calls run."""
+    failed_calls: int
+    """Tool calls that exited non-zero or timed out (recorded as observations)."""
+    flattens: int
+    """Layer stacks merged because they grew deeper than the limit."""
+    boot_seconds: float
+    """Wall seconds spent booting workspaces (create and fork)."""
+    fork_seconds: float
+    """Wall seconds spent in forks, replays included."""
+
+
+class _Handle:
+    __slots__ = ("handle", "container", "stack", "log")
+
+    def __init__(self, handle: Workspace, container: Container | None, stack: tuple[Layer, ...],
+                 log: tuple[ToolCall, ...]) -> None:
+        self.handle = handle
+        self.container = container  # None for a snapshot
+        self.stack = stack  # layers it holds, topmost first
+        self.log = log  # calls run since the task's root, in order
+
+
+class _Cold:
+    __slots__ = ("handle", "archive", "log")
+
+    def __init__(self, handle: ColdSnapshot, archive: Path, log: tuple[ToolCall, ...]) -> None:
+        self.handle = handle
+        self.archive = archive
+        self.log = log
+
+
+class LiveBackend(Backend):
+    """Real workspaces of one spec on this host (see the module docstring); root only.
+
+    Use ``async with LiveBackend(spec) as backend:``, or call :meth:`aclose` when done.
+
+    Args:
+        spec: The workspace spec (:func:`bunshin_async.load_spec`).
+        state: The state directory (default :class:`StateDir()`); a run starts by removing
+            what dead controllers left in it.
+        flatten_depth: Deepest layer stack kept as is; deeper ones are merged.
+        memory_interval: Seconds a working-set measurement is reused (the page scanner reads
+            every workspace's page tables, so it is not run after every operation).
+    """
+
+    engine = "restart"
+
+    def __init__(self, spec: WorkspaceSpec, *, state: StateDir | None = None, flatten_depth: int = 16,
+                 memory_interval: float = 0.5) -> None:
+        if os.geteuid() != 0:
+            raise ConfigError("live workspaces need root (namespaces, mounts and cgroups)")
+        self.spec = spec
+        self._state = state or StateDir()
+        gc(self._state)
+        self._run_id = f"live-{os.getpid()}-{id(self):x}"
+        root = self._state.layer_dir(self._run_id)
+        self._state.write(self._state.new_record(self._run_id + ".layer", kind="layer", state="running", dirs=[root]))
+        self._layers = LayerStore(Path(root), flatten_depth=flatten_depth)
+        self._ids = itertools.count()
+        self._live: dict[int, _Handle] = {}
+        self._cold: dict[int, _Cold] = {}
+        self._profiles: dict[str, MemoryProfile] = {}
+        self._interval = memory_interval
+        self._ws_cache: tuple[float, int] | None = None
+        self._n = dict(creates=0, forks=0, snapshots=0, replayed=0, demotes=0, promotes=0, executions=0, failed=0)
+        self._secs = dict(boot=0.0, fork=0.0)
+        self._closed = False
+
+    async def __aenter__(self) -> LiveBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _get(self, handle: Workspace) -> _Handle:
+        st = self._live.get(handle.id)
+        if st is None or handle.released:
+            raise WorkspaceReleasedError(f"{handle!r} was already released")
+        return st
+
+    def _new(self, task: Task, container: Container | None, stack: tuple[Layer, ...], log: tuple[ToolCall, ...],
+             *, frozen: bool) -> Workspace:
+        ws = Workspace(task, next(self._ids), frozen)
+        self._live[ws.id] = _Handle(ws, container, stack, log)
+        self._ws_cache = None
+        return ws
+
+    async def _boot(self, task: Task, stack: tuple[Layer, ...]) -> Container:
+        t0 = anyio.current_time()
+        name = f"{_safe(task.id)}-{next(self._ids)}"
+        c = await open_container(self.spec, layers=[str(layer.path) for layer in stack], name=name, state=self._state)
+        self._secs["boot"] += anyio.current_time() - t0
+        return c
+
+    def _stateful(self, call: ToolCall) -> bool:
+        tool = self.spec.tools.get(call.name)
+        return bool(tool is not None and tool.stateful)
+
+    def task_profile(self, task_id: str) -> MemoryProfile | None:
+        """The memory profile measured when *task_id*'s first workspace booted: file-backed
+        and anonymous bytes of its memory cgroup, and the boot time."""
+        return self._profiles.get(task_id)
+
+    # -- Backend -----------------------------------------------------------------------------
+
+    async def create(self, task: Task) -> Workspace:
+        t0 = anyio.current_time()
+        container = await self._boot(task, ())
+        self._n["creates"] += 1
+        if task.id not in self._profiles:
+            mem = container.memory()
+            self._profiles[task.id] = MemoryProfile(
+                image_bytes=mem.file, runtime_bytes=mem.anon, boot_time=anyio.current_time() - t0
+            )
+        return self._new(task, container, (), (), frozen=False)
+
+    async def freeze(self, workspace: Workspace) -> Workspace:
+        st = self._get(workspace)
+        if workspace.frozen:
+            return workspace
+        assert st.container is not None
+        await st.container.freeze()
+        kept = await st.container.destroy(keep_upper=True)
+        if kept is None:
+            raise BackendError(f"workspace {st.container.id}: its upper directory was not kept")
+        stack = await anyio.to_thread.run_sync(self._adopt, kept, st.stack)
+        self._layers.drop(st.stack)
+        del self._live[workspace.id]
+        workspace.released = True
+        self._n["snapshots"] += 1
+        return self._new(workspace.task, None, stack, st.log, frozen=True)
+
+    def _adopt(self, kept: str, below: tuple[Layer, ...]) -> tuple[Layer, ...]:
+        stack = self._layers.adopt(Path(kept), below)
+        self._state.remove(os.path.basename(kept) + ".layer")  # the store's record covers it now
+        return stack
+
+    async def snapshot(self, workspace: Workspace) -> Workspace:
+        st = self._get(workspace)
+        if workspace.frozen or st.container is None:
+            raise BackendError(f"cannot snapshot {workspace!r}: it is already a snapshot; fork it")
+        c = st.container
+        await c.freeze()
+        try:
+            stack = await anyio.to_thread.run_sync(self._layers.capture, Path(c.upper), st.stack)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await c.thaw()
+        self._n["snapshots"] += 1
+        return self._new(workspace.task, None, stack, st.log, frozen=True)
+
+    async def fork(self, source: Workspace) -> Workspace:
+        st = self._get(source)
+        if not source.frozen:
+            snap = await self.snapshot(source)
+            try:
+                return await self.fork(snap)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.release(snap)
+        t0 = anyio.current_time()
+        stack = self._layers.hold(st.stack)
+        try:
+            container = await self._boot(source.task, stack)
+        except BaseException:
+            self._layers.drop(stack)
+            raise
+        ws = self._new(source.task, container, stack, st.log, frozen=False)
+        try:
+            for call in st.log:
+                if self._stateful(call):
+                    await container.call(call)
+                    self._n["replayed"] += 1
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.release(ws)
+            raise
+        self._n["forks"] += 1
+        self._secs["fork"] += anyio.current_time() - t0
+        return ws
+
+    async def execute(self, workspace: Workspace, call: ToolCall, context: CallContext) -> ToolResult:
+        st = self._get(workspace)
+        if workspace.frozen or st.container is None:
+            raise BackendError(f"cannot execute {call.name!r} in {workspace!r}: it is a snapshot; fork it first")
+        before = st.container.memory()
+        t0 = anyio.current_time()
+        res = await st.container.call(call)
+        elapsed = anyio.current_time() - t0
+        after = st.container.memory()
+        self._n["executions"] += 1
+        if not res.ok:
+            self._n["failed"] += 1
+        st.log = (*st.log, call)
+        self._ws_cache = None
+        out = observation_bytes(res)
+        return ToolResult(
+            observation_digest=observation_digest(out),
+            observation_size=len(out),
+            exec_time=elapsed,
+            dirtied_bytes=max(0, after.anon - before.anon),
+            output=out,
+        )
+
+    async def demote(self, snapshot: Workspace, parent: Workspace | ColdSnapshot | None) -> ColdSnapshot:
+        st = self._get(snapshot)
+        if not snapshot.frozen:
+            raise BackendError(f"cannot demote {snapshot!r}: only a snapshot can be demoted")
+        if not st.stack:
+            # nothing of its own on disk: an empty archive stands for "the root's state"
+            archive = self._layers.root / "archives" / f"empty-{next(self._ids)}.tar"
+            await anyio.to_thread.run_sync(_empty_archive, archive)
+            size = archive.stat().st_size
+        else:
+            archive, size = await anyio.to_thread.run_sync(self._layers.archive, st.stack[0])
+        cold = ColdSnapshot(snapshot.task, next(self._ids), size)
+        self._cold[cold.id] = _Cold(cold, archive, st.log)
+        self._n["demotes"] += 1
+        await self.release(snapshot)
+        return cold
+
+    async def promote(self, cold: ColdSnapshot, parent: Workspace | None) -> Workspace:
+        cs = self._cold.get(cold.id)
+        if cs is None or cold.released:
+            raise WorkspaceReleasedError(f"{cold!r} was already released")
+        below = self._get(parent).stack if parent is not None else ()
+        layer = await anyio.to_thread.run_sync(self._layers.restore, cs.archive)
+        stack = self._layers.hold((layer, *below))
+        self._n["promotes"] += 1
+        return self._new(cold.task, None, stack, cs.log, frozen=True)
+
+    async def release(self, handle: Workspace | ColdSnapshot) -> None:
+        if isinstance(handle, ColdSnapshot):
+            cs = self._cold.pop(handle.id, None)
+            if cs is None or handle.released:
+                raise WorkspaceReleasedError(f"{handle!r} was already released")
+            handle.released = True
+            cs.archive.unlink(missing_ok=True)
+            return
+        st = self._get(handle)
+        del self._live[handle.id]
+        handle.released = True
+        self._ws_cache = None
+        with anyio.CancelScope(shield=True):
+            if st.container is not None:
+                await st.container.destroy()
+            self._layers.drop(st.stack)
+
+    def snapshot_charge(self, workspace: Workspace, dirtied_bytes: int) -> int:
+        return 0  # a restart snapshot is files on disk: its processes are gone
+
+    def _pids(self, handles: Sequence[_Handle]) -> list[int]:
+        pids: list[int] = []
+        for st in handles:
+            if st.container is not None and st.container.alive:
+                pids.extend(st.container.pids())
+        return pids
+
+    def _scan(self, handles: Sequence[_Handle]):  # noqa: ANN202 - PageScan
+        from ._bunshin_c import scan_pages
+
+        for _ in range(3):  # a process may exit between listing and scanning
+            pids = self._pids(handles)
+            if not pids:
+                return None
+            try:
+                return scan_pages(pids)
+            except ProcessLookupError:
+                continue
+        return None
+
+    def workspace_memory(self, workspace: Workspace) -> WorkspaceMemory:
+        scan = self._scan([self._get(workspace)])
+        if scan is None:
+            return WorkspaceMemory(0, 0)
+        return WorkspaceMemory(
+            shared_bytes=scan.shared_outside * scan.page_size,
+            private_bytes=(scan.private + scan.shared_inside) * scan.page_size,
+        )
+
+    def working_set(self) -> int:
+        now = anyio.current_time()
+        if self._ws_cache is not None and now - self._ws_cache[0] < self._interval:
+            return self._ws_cache[1]
+        scan = self._scan(list(self._live.values()))
+        value = 0 if scan is None else scan.resident * scan.page_size
+        self._ws_cache = (now, value)
+        return value
+
+    def live_handles(self) -> int:
+        return len(self._live) + len(self._cold)
+
+    def statistics(self) -> LiveStatistics:
+        """Counts and seconds of what the backend did."""
+        n = self._n
+        return LiveStatistics(
+            creates=n["creates"], forks=n["forks"], snapshots=n["snapshots"], replayed_calls=n["replayed"],
+            demotes=n["demotes"], promotes=n["promotes"], executions=n["executions"], failed_calls=n["failed"],
+            flattens=self._layers.flattens, boot_seconds=self._secs["boot"], fork_seconds=self._secs["fork"],
+        )
+
+    async def aclose(self) -> None:
+        """Release every handle still held, then remove the layer directory and its record."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            for st in list(self._live.values()):
+                await self.release(st.handle)
+            for cs in list(self._cold.values()):
+                await self.release(cs.handle)
+            await anyio.to_thread.run_sync(remove_tree, str(self._layers.root))
+            self._state.remove(self._run_id + ".layer")
+
+
+def observation_bytes(res: ExecResult) -> bytes:
+    """What the policy is shown of a call: its output, then the exit status where it is not 0
+    or the fact that it timed out."""
+    out = bytes(res.stdout) + bytes(res.stderr)
+    if res.timed_out:
+        out += b"\n[timed out]"
+    elif res.status != 0:
+        out += f"\n[exit status {res.status}]".encode()
+    if res.truncated:
+        out += b"\n[output truncated]"
+    return out
+
+
+def _empty_archive(path: Path) -> None:
+    import tarfile
+
+    with tarfile.open(path, "w"):
+        pass
+
+
+def _safe(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in text)[:40] or "task"
+
+
+def demo_trace(spec: WorkspaceSpec, *, tasks: int = 2, group_size: int = 3, epochs: int = 2, seed: int = 0,
+               think: float = 0.3) -> Trace:
+    """A small trace for the bundled workspace spec: each task opens with the same read-only
+    calls (``ls``, ``cat``, ``search``: cacheable, so later samples skip them), then each
+    sample writes and runs its own files. Observations and costs are not known before a live
+    run, so they are marked modelled; think times are ``think`` seconds, jittered.
+
+    Raises:
+        ConfigError: If the spec lacks a tool the demo uses.
+    """
+    import random
+
+    need = ("ls", "cat", "search", "write_file", "shell", "python")
+    missing = [t for t in need if t not in spec.tools]
+    if missing:
+        raise ConfigError(f"the demo trace needs the tools {', '.join(need)}; {spec.path or spec.name} "
+                          f"lacks {', '.join(missing)}; give a TRACE recorded for this spec")
+    rng = random.Random(seed)
+    empty = observation_digest(b"")
+    modelled = ("exec_time", "observation_digest", "observation_size", "dirtied_bytes")
+
+    def step(name: str, **args: object) -> Step:
+        return Step(
+            think_time=round(think * rng.uniform(0.5, 1.5), 3), call=ToolCall(name, args), exec_time=0.0,
+            observation_digest=empty, observation_size=0, dirtied_bytes=0,
+            cacheable=spec.tools[name].cacheable, modelled=modelled,
+        )
+
+    task_list = [Task(f"demo-{i}", MemoryProfile(0, 0, 0.0), f"inspect the system, then write and run script {i}")
+                 for i in range(tasks)]
+    rollouts = []
+    for e in range(epochs):
+        for t in task_list:
+            for s in range(group_size):
+                steps = [step("ls", path="/etc"), step("cat", path="/etc/os-release")]
+                if rng.random() < 0.7:
+                    steps.append(step("search", pattern="^ID=", path="/etc/os-release"))
+                n = rng.randint(2, 40)
+                path = f"/root/{t.id}/main.py"
+                steps.append(step("write_file", path=path, content=f"print(sum(range({n})))\n"))
+                steps.append(step("shell", command=f"cd /root/{t.id} && export RUNS=$((RUNS+1))"))
+                steps.append(step("python", code=f"exec(open({path!r}).read())"))
+                steps.append(step("shell", command="echo runs=$RUNS in $(pwd)"))
+                rollouts.append(Rollout(e, t.id, 0, s, reward=float(rng.random() < 0.5), steps=steps,
+                                        final_think_time=round(think * rng.uniform(0.5, 1.5), 3)))
+    return Trace(TRACE_VERSION, f"demo-{spec.name}", task_list, rollouts,
+                 {"generator": "bunshin_async.demo_trace", "seed": seed, "spec": spec.name})
+
+
+def live_trace(trace: Trace, result: RunResult, backend: LiveBackend) -> Trace:
+    """The trace a live run recorded, in the format the simulator replays: the replayed
+    think times, and for each call the measured execution time, observation digest and size
+    and bytes dirtied (for a cache hit, those of the run that first executed the call);
+    tasks carry the memory profile measured at their first boot. Cancelled rollouts are
+    left out."""
+    replayed = {r.key: r for r in trace.rollouts}
+    tasks = [
+        msgspec.structs.replace(t, memory=backend.task_profile(t.id) or t.memory) for t in trace.tasks
+    ]
+    rollouts = []
+    for rr in result.rollouts:
+        if rr.status != "done":
+            continue
+        src = replayed[rr.key]
+        steps = []
+        for rec, old in zip(rr.steps, src.steps, strict=True):
+            tool = backend.spec.tools.get(rec.call.name)
+            steps.append(Step(
+                think_time=old.think_time, call=rec.call, exec_time=rec.result.exec_time,
+                observation_digest=rec.result.observation_digest, observation_size=rec.result.observation_size,
+                dirtied_bytes=rec.result.dirtied_bytes, cacheable=bool(tool and tool.cacheable),
+                modelled=tuple(m for m in old.modelled if m == "think_time"),
+            ))
+        rollouts.append(msgspec.structs.replace(src, steps=steps))
+    meta = dict(trace.meta)
+    meta.update({"recorded_by": "bunshin run", "engine": backend.engine, "spec": backend.spec.name,
+                 "source_trace": trace.name})
+    return Trace(TRACE_VERSION, f"{trace.name}-live", tasks, rollouts, meta)
