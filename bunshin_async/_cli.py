@@ -107,6 +107,14 @@ def _progress(console: Console) -> Progress:
     )
 
 
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:,.1f}"
 
@@ -133,18 +141,20 @@ def _summary(console: Console, trace: Trace, engine: str, policy: str, r: RunRes
     for e, secs in r.epoch_times.items():
         t.add_row(f"epoch {e} time", f"{secs / 60:.2f} min")
     t.add_row("makespan", f"{r.makespan / 60:.2f} min")
-    t.add_row("peak memory", f"{_gib(r.memory.peak_bytes)} GiB")
+    t.add_row("peak memory", _size(r.memory.peak_bytes))
     t.add_row("total memory", f"{r.memory.total_byte_seconds / GiB / 3600:,.2f} GiB·h")
     mems = [x.memory for x in r.rollouts if x.memory is not None]
     if mems:
-        t.add_row("per workspace at end: shared", f"{_gib(sum(m.shared_bytes for m in mems) / len(mems))} GiB (mean)")
-        t.add_row("per workspace at end: private", f"{_gib(sum(m.private_bytes for m in mems) / len(mems))} GiB (mean)")
+        shared = [m.shared_bytes for m in mems]
+        private = [m.private_bytes for m in mems]
+        t.add_row("per workspace at end: shared", f"{_size(sum(shared) / len(mems))} mean, {_size(max(shared))} max")
+        t.add_row("per workspace at end: private", f"{_size(sum(private) / len(mems))} mean, {_size(max(private))} max")
     t.add_row("calls", f"{r.calls} ({r.cacheable_calls} cacheable)")
     if r.tree is not None:
         t.add_row("cache hit rate", f"{r.cache_hit_rate:.1%} ({r.tree.hits} skipped)")
         t.add_row("prefix tree", f"{r.tree.nodes} nodes ({r.tree.admitted_hot} admitted hot, "
-                  f"{r.tree.admitted_evicted} as call logs), hot peak {_gib(r.tree.hot_bytes_peak)} "
-                  f"of {_gib(r.tree.hot_budget)} GiB")
+                  f"{r.tree.admitted_evicted} as call logs), hot peak {_size(r.tree.hot_bytes_peak)} "
+                  f"of {_size(r.tree.hot_budget)}")
         t.add_row("prefix tree tiers", f"{r.tree.demotions} demoted, {r.tree.promotions} promoted, "
                   f"{r.tree.drops} dropped, {r.tree.replayed_calls} calls replayed")
         t.add_row("forks made during think time", f"{r.prepared} ({r.prepared_used} used)")

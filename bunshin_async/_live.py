@@ -401,11 +401,13 @@ def _safe(text: str) -> str:
 
 
 def demo_trace(spec: WorkspaceSpec, *, tasks: int = 2, group_size: int = 3, epochs: int = 2, seed: int = 0,
-               think: float = 0.3) -> Trace:
+               think: float = 0.3, probe_dir: str = "/etc", probe_file: str = "/etc/os-release",
+               pattern: str = "^ID=") -> Trace:
     """A small trace for the bundled workspace spec: each task opens with the same read-only
     calls (``ls``, ``cat``, ``search``: cacheable, so later samples skip them), then each
     sample writes and runs its own files. Observations and costs are not known before a live
-    run, so they are marked modelled; think times are ``think`` seconds, jittered.
+    run, so they are marked modelled; think times are ``think`` seconds, jittered. The opening
+    calls read *probe_dir*, *probe_file* and search it for *pattern*.
 
     Raises:
         ConfigError: If the spec lacks a tool the demo uses.
@@ -434,9 +436,9 @@ def demo_trace(spec: WorkspaceSpec, *, tasks: int = 2, group_size: int = 3, epoc
     for e in range(epochs):
         for t in task_list:
             for s in range(group_size):
-                steps = [step("ls", path="/etc"), step("cat", path="/etc/os-release")]
+                steps = [step("ls", path=probe_dir), step("cat", path=probe_file)]
                 if rng.random() < 0.7:
-                    steps.append(step("search", pattern="^ID=", path="/etc/os-release"))
+                    steps.append(step("search", pattern=pattern, path=probe_file))
                 n = rng.randint(2, 40)
                 path = f"/root/{t.id}/main.py"
                 steps.append(step("write_file", path=path, content=f"print(sum(range({n})))\n"))

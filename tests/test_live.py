@@ -5,11 +5,13 @@ after the controller is killed in the middle of a fork. Root only; nothing may l
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import anyio
 import pytest
@@ -140,11 +142,28 @@ def test_deep_snapshot_chains_are_flattened(state) -> None:
     anyio.run(main)
 
 
-def test_scheduler_end_to_end_is_transparent(state, tmp_path) -> None:
+@pytest.fixture
+def request_cleanup():
+    paths: list[Path] = []
+    yield paths
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def test_scheduler_end_to_end_is_transparent(state, tmp_path, request_cleanup) -> None:
     # the same trace replayed without and with caching: every sample is shown the same
     # observations (cacheable tools are deterministic here), and nothing is left behind
     sp = load_spec(os.path.join(os.path.dirname(__file__), "..", "examples", "workspace.toml"))
-    trace = demo_trace(sp, tasks=2, group_size=2, epochs=2, think=0.01)
+    # the opening calls read a directory only this test writes (the host's /etc may change
+    # between the two runs, under a package manager, and so would `ls -la /etc`)
+    probe = tmp_path.parent / f"bunshin-probe-{os.getpid()}"
+    if str(probe).startswith(("/tmp", "/var/tmp", "/run")):  # emptied inside workspaces
+        probe = Path("/root") / f".bunshin-probe-{os.getpid()}"
+    probe.mkdir(exist_ok=True)
+    request_cleanup.append(probe)
+    (probe / "release").write_text("NAME=probe\nID=probe\n")
+    trace = demo_trace(sp, tasks=2, group_size=2, epochs=2, think=0.01, probe_dir=str(probe),
+                       probe_file=str(probe / "release"))
     seen = {}
     for policy in ("base", "full"):
         async def main(policy=policy):
