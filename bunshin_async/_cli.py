@@ -136,7 +136,11 @@ def _summary(console: Console, trace: Trace, engine: str, policy: str, r: RunRes
     t.add_column("metric")
     t.add_column("value", justify="right")
     n = len(r.rollouts)
-    t.add_row("rollouts", f"{n} ({sum(x.status == 'done' for x in r.rollouts)} done)")
+    counts = {k: sum(x.status == k for x in r.rollouts) for k in ("done", "failed", "cancelled")}
+    t.add_row("rollouts", f"{n} (" + ", ".join(f"{v} {k}" for k, v in counts.items() if v or k == "done") + ")")
+    for x in r.rollouts:
+        if x.error:
+            t.add_row(f"failed: {x.key}", x.error)
     t.add_row("training steps", str(len(r.steps)))
     for e, secs in r.epoch_times.items():
         t.add_row(f"epoch {e} time", f"{secs / 60:.2f} min")

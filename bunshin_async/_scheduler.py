@@ -241,8 +241,10 @@ class RolloutResult(msgspec.Struct, frozen=True):
 
     key: RolloutKey
     """Which rollout."""
-    status: Literal["done", "cancelled"]
-    """``done`` when the policy finished it, ``cancelled`` when it was cancelled."""
+    status: Literal["done", "cancelled", "failed"]
+    """``done`` when the policy finished it, ``cancelled`` when it was cancelled, ``failed``
+    when the backend could not carry out one of its operations (see ``error``); the other
+    rollouts go on."""
     start: float
     """When the sample started (seconds since the run began)."""
     end: float
@@ -261,6 +263,8 @@ class RolloutResult(msgspec.Struct, frozen=True):
     """Calls run in the sample's own workspace."""
     memory: WorkspaceMemory | None
     """The sample's workspace memory just before release (None if it never needed one)."""
+    error: str | None = None
+    """Why a ``failed`` rollout failed (the backend's error), else None."""
 
 
 class SpecStatistics(msgspec.Struct, frozen=True):
@@ -571,25 +575,30 @@ class Scheduler:
             self._scopes[s.key] = scope
             start = self._now()
             self._set_running(+1)
+            error: str | None = None
             try:
                 with scope:
                     await self._sample_loop(s, state)
+            except* BackendError as group:  # this sample fails; the batch goes on
+                error = "; ".join(f"{type(e).__name__}: {e}" for e in _leaves(group))
             finally:
                 state.unfinished -= 1
                 self._set_running(-1)
                 del self._scopes[s.key]
                 mem = None
                 if s.ws is not None and not s.ws.released:
-                    mem = self._backend.workspace_memory(s.ws)
+                    try:
+                        mem = self._backend.workspace_memory(s.ws)
+                    except BackendError:
+                        mem = None
                     ws, s.ws = s.ws, None
                     await self._release(ws)
                 if s.branch is not None:
                     await self._discard(s)
                 await self._drop_prep(s)
-                done = s.finish is not None
                 self._results[s.key] = RolloutResult(
                     key=s.key,
-                    status="done" if done else "cancelled",
+                    status="done" if s.finish is not None else "failed" if error else "cancelled",
                     start=start,
                     end=self._now(),
                     reward=s.finish.reward if s.finish is not None else None,
@@ -599,6 +608,7 @@ class Scheduler:
                     spec_hits=s.spec_hits,
                     executed=s.executed,
                     memory=mem,
+                    error=error,
                 )
                 if self._on_progress is not None:
                     self._on_progress(len(self._results), self._total)
@@ -844,6 +854,13 @@ class Scheduler:
             self._spec["misses"] += 1
         ws, branch.ws = branch.ws, None
         await self._release(ws)
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
 
 
 async def run_rollouts(backend: Backend, policy: Policy, config: SchedulerConfig, **options: Any) -> RunResult:

@@ -896,3 +896,36 @@ def test_hidden_exec_seconds_counts_only_the_overlap_with_thinking() -> None:
     saved = base.epoch_times[1] - spec.epoch_times[1]
     assert saved == pytest.approx(1.0, abs=SLACK)
     assert spec.spec.hidden_exec_seconds == pytest.approx(saved, abs=SLACK)
+
+
+# -- a backend failure fails one rollout, not the batch -------------------------------------------
+
+
+def test_a_backend_failure_fails_only_its_rollout() -> None:
+    from bunshin_async import BackendError, CallContext
+
+    class Failing(SimBackend):
+        async def execute(self, workspace, call, context: CallContext):
+            if context.rollout.sample == 1 and context.step == 1:
+                await anyio.sleep(0.5)
+                raise BackendError("workspace w: the agent died (out of memory)")
+            return await super().execute(workspace, call, context)
+
+    trace = make_trace(
+        [make_task("t")],
+        [rollout("t", [step(A, 1.0, 1.0), step(X, 1.0, 1.0), step(Y, 1.0, 1.0)], sample=i) for i in range(3)],
+    )
+    backend = Failing("bunshin", ToolModel(trace))
+    sched = Scheduler(backend, TracePolicy(trace), SchedulerConfig.preset("base"), cacheable=caching_policy(trace))
+
+    async def main():
+        return await sched.run()
+
+    result = run_virtual(main)
+    status = {r.key.sample: r for r in result.rollouts}
+    assert status[1].status == "failed" and status[1].reward is None
+    assert "the agent died" in (status[1].error or "") and "BackendError" in status[1].error
+    assert len(status[1].observations) == 1  # the first call's observation, then the failure
+    assert status[0].status == status[2].status == "done"
+    assert status[0].error is None
+    assert backend.live_handles() == 0 and backend.working_set() == 0
