@@ -10,6 +10,7 @@ from ._exceptions import (
     ConfigError,
     TraceError,
     TransparencyError,
+    VMError,
     WorkspaceReleasedError,
 )
 from ._importers import (
@@ -138,6 +139,7 @@ __all__ = [
     "TreeStatistics",
     "Workspace",
     "WorkspaceMemory",
+    "VMError",
     "WorkspaceReleasedError",
     "WorkspaceSpec",
     "caching_policy",

@@ -13,6 +13,7 @@ __all__ = [
     "BackendError",
     "WorkspaceReleasedError",
     "TransparencyError",
+    "VMError",
 ]
 
 
@@ -55,4 +56,13 @@ class TransparencyError(BunshinError):
 
     A :class:`~bunshin_async.TracePolicy` raises it when a replayed step's observation does
     not match the recorded one: that means a tool marked cacheable is not deterministic.
+    """
+
+
+class VMError(BunshinError):
+    """Raised when the lab VM cannot be prepared or run.
+
+    For example: qemu, busybox-static or apt are missing, a kernel version apt does not know,
+    the module does not build, the guest fails to mount its root, or the run times out. The
+    message says which step failed and, for a failed boot, ends with the guest console's tail.
     """

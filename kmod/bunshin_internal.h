@@ -1,0 +1,38 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * bunshin_internal.h: what the parts of the Bunshin module share.
+ */
+#ifndef BUNSHIN_INTERNAL_H
+#define BUNSHIN_INTERNAL_H
+
+#include <linux/types.h>
+
+struct kernel_clone_args;
+struct nsproxy;
+struct pid;
+struct task_struct;
+
+/*
+ * Kernel internals the fork command needs. None of them is exported to
+ * modules: they are looked up by name through kallsyms_lookup_name(), itself
+ * found through a kprobe (bunshin_ksyms.c). Every pointer is NULL until
+ * bunshin_ksyms_init() succeeds; resolved says whether all were found.
+ */
+struct bunshin_ksyms {
+	pid_t (*kernel_clone)(struct kernel_clone_args *args);
+	struct task_struct *(*copy_process)(struct pid *pid, int trace,
+					    int node,
+					    struct kernel_clone_args *args);
+	void (*wake_up_new_task)(struct task_struct *p);
+	void (*switch_task_namespaces)(struct task_struct *p,
+				       struct nsproxy *new);
+	rwlock_t *tasklist_lock;
+	bool resolved;
+};
+
+extern struct bunshin_ksyms bunshin_ksyms;
+
+/* Resolve bunshin_ksyms; 0 on success, a negative errno otherwise. */
+int bunshin_ksyms_init(void);
+
+#endif /* BUNSHIN_INTERNAL_H */
