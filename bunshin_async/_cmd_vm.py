@@ -145,7 +145,7 @@ def vm_suite_argv(python: str, root: str, junit: str | None = None, extra: list[
 
 def cmd_vm_test(args: argparse.Namespace, console: Console) -> int:
     """``bunshin vm test``: the module's in-VM test suite; exits with pytest's status."""
-    from ._vm import kmod_source_dir, run_vm
+    from ._vm import kmod_source_dir, run_vm, shares_for
 
     src = kmod_source_dir()
     if src is None:
@@ -153,7 +153,9 @@ def cmd_vm_test(args: argparse.Namespace, console: Console) -> int:
     root = os.path.dirname(src)
     with _Steps(args.quiet) as steps:
         extra = [a for i, a in enumerate(args.pytest_args) if i or a != "--"]
-        result = run_vm(vm_suite_argv(sys.executable, root, extra=extra), step=steps,
+        # a checkout or a Python under /tmp (say) is hidden by the guest's tmpfs: share it
+        shares = shares_for(root, sys.prefix)
+        result = run_vm(vm_suite_argv(sys.executable, root, extra=extra), step=steps, shares=shares,
                         on_stdout=_write(sys.stdout), on_stderr=_write(sys.stderr), **_run_args(args))
     if not args.quiet:
         _say(Console(stderr=True), f"vm: exit status {result.status}; guest boot {result.boot_seconds:.2f} s, "

@@ -534,6 +534,21 @@ def _tail(text: str, n: int = 30) -> str:
     return "\n".join(text.rstrip().splitlines()[-n:])
 
 
+MASKED_IN_GUEST = ("/tmp", "/var/tmp", "/run", "/dev/shm")
+"""Host directories the guest covers with its own tmpfs: what lives there is not visible."""
+
+
+def shares_for(*paths: str) -> list[str]:
+    """The directories to share so that *paths* are visible in the guest: each path that lies
+    under a directory the guest covers with tmpfs (a checkout or a venv under /tmp, say)."""
+    out: list[str] = []
+    for p in paths:
+        real = os.path.realpath(p)
+        if any(real == m or real.startswith(m + "/") for m in MASKED_IN_GUEST) and real not in out:
+            out.append(real)
+    return out
+
+
 def run_vm(
     argv: Sequence[str],
     *,

@@ -144,7 +144,8 @@ def test_module_suite_in_vm(kernel: _vm.KernelTree, tmp_path: Path) -> None:
     """Build kmod/ against Debian's headers and run tests/vm/ in the VM: all must pass."""
     junit = tmp_path / "junit.xml"
     r = _vm.run_vm(vm_suite_argv(sys.executable, str(ROOT), junit=str(junit)), kernel_version=kernel.version,
-                   module=str(ROOT / "kmod"), shares=[str(tmp_path)], timeout=300, cache_dir=CACHE)
+                   module=str(ROOT / "kmod"), shares=[str(tmp_path), *_vm.shares_for(str(ROOT), sys.prefix)],
+                   timeout=300, cache_dir=CACHE)
     out = r.stdout.decode(errors="replace") + r.stderr.decode(errors="replace")
     assert r.status == 0, out[-6000:] + "\n--- guest dmesg ---\n" + r.dmesg[-3000:]
     suite = ET.parse(junit).getroot()
