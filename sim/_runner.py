@@ -115,7 +115,24 @@ def build_simulation(
     **overrides: Any,
 ) -> Simulation:
     """Wire a replay of *trace*: a :class:`SimBackend`, a :class:`TracePolicy` and a
-    :class:`Scheduler` (arguments as for :func:`simulate`)."""
+    :class:`Scheduler`.
+
+    Args:
+        trace: The rollouts to replay (the policy replays their calls and think times).
+        engine: The fork engine of the simulated backend.
+        policy: ``base``, ``spec`` or ``full`` (ignored when *config* is given).
+        seed: Seeds the backend's page model and the scheduler.
+        config: A complete scheduler configuration, instead of *policy* and *overrides*.
+        page_size: Resolution of the page model in bytes.
+        check: Check every observation against the recording (semantic transparency).
+        selector: The Spec Tool Selector; by default a :class:`HistorySelector` that starts
+            empty, when speculation is on.
+        on_progress: Called with ``(finished, total)`` rollouts as they end.
+        **overrides: :class:`SchedulerConfig` fields to change from the preset.
+
+    Raises:
+        ConfigError: On an unknown engine, policy or option.
+    """
     if page_size < 1:
         raise ConfigError(f"page_size={page_size} is invalid; expected at least 1 byte (default 1 MiB)")
     if config is None:
@@ -138,39 +155,7 @@ def build_simulation(
     return Simulation(scheduler, backend)
 
 
-def simulate(
-    trace: Trace,
-    *,
-    engine: str = "bunshin",
-    policy: str = "full",
-    seed: int = 0,
-    config: SchedulerConfig | None = None,
-    page_size: int = 1 << 20,
-    check: bool = True,
-    selector: SpecToolSelector | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
-    **overrides: Any,
-) -> RunResult:
-    """Replay *trace* in the simulator and return what the run measured.
-
-    Args:
-        trace: The rollouts to replay (the policy replays their calls and think times).
-        engine: The fork engine of the simulated backend.
-        policy: ``base``, ``spec`` or ``full`` (ignored when *config* is given).
-        seed: Seeds the backend's page model and the scheduler.
-        config: A complete scheduler configuration, instead of *policy* and *overrides*.
-        page_size: Resolution of the page model in bytes.
-        check: Check every observation against the recording (semantic transparency).
-        selector: The Spec Tool Selector; by default a :class:`HistorySelector` that starts
-            empty, when speculation is on.
-        on_progress: Called with ``(finished, total)`` rollouts as they end.
-        **overrides: :class:`SchedulerConfig` fields to change from the preset.
-
-    Raises:
-        ConfigError: On an unknown engine, policy or option.
-    """
-    sim = build_simulation(
-        trace, engine=engine, policy=policy, seed=seed, config=config, page_size=page_size,
-        check=check, selector=selector, on_progress=on_progress, **overrides,
-    )
-    return run_virtual(sim.run)
+def simulate(trace: Trace, **options: Any) -> RunResult:
+    """Replay *trace* in the simulator and return what the run measured; *options* are those
+    of :func:`build_simulation`."""
+    return run_virtual(build_simulation(trace, **options).run)
