@@ -1,11 +1,8 @@
 """The ``bunshin`` command.
 
-``bunshin replay``   replay a trace in the simulator and print a summary;
-``bunshin compare``  replay it under several engines and policies, side by side;
-``bunshin generate`` write a workload trace from a generator;
-``bunshin trace validate`` check trace files.
-
-Without a TRACE, replay and compare generate the default workload (``--workload``) in memory.
+This module holds the simulator commands (``replay``, ``compare``, ``generate``, ``trace
+validate``); the modules of :data:`_COMMAND_MODULES` add the others (trace import and stats,
+predict, reproduce, the live commands, the lab VM).
 """
 
 from __future__ import annotations
@@ -292,7 +289,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``bunshin`` command."""
-    ap = argparse.ArgumentParser(prog="bunshin", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="bunshin",
+        description="Bunshin: agentic-RL rollouts with live workspace forks, tool-prefix caching and "
+        "speculative tool execution. Simulate with replay/compare/reproduce; run live (root) with run.",
+        epilog="Without a TRACE, replay and compare generate the default workload (--workload) in memory. "
+        "`bunshin COMMAND --help` describes each command.",
+    )
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("replay", help="replay a trace in the simulator and print a summary")
@@ -323,13 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("files", nargs="+")
     v.set_defaults(fn=cmd_validate)
     for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"{__package__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.{name}":
-                raise
-            continue  # TODO(integration): every module listed here must exist
-        module.register(sub, tsub)
+        importlib.import_module(f"{__package__}.{name}").register(sub, tsub)
     return ap
 
 
