@@ -190,3 +190,55 @@ def scan_pages(pids: Sequence[int]) -> PageScan:
             or ``/proc/kpagecount`` cannot be opened.
         ValueError: A pid is not positive.
     """
+
+@final
+class BunshinVersion(tuple[int, int, int]):
+    """Result of :func:`bunshin_version`: what the ``/dev/bunshin`` module is."""
+
+    n_fields: Final[int]
+    n_sequence_fields: Final[int]
+    n_unnamed_fields: Final[int]
+    @property
+    def abi_version(self) -> int:
+        """``BUNSHIN_ABI_VERSION`` of the running module."""
+    @property
+    def features(self) -> int:
+        """``BUNSHIN_FEATURE_*`` bits: what the module can do."""
+    @property
+    def kernel_version(self) -> int:
+        """``LINUX_VERSION_CODE`` the module was built for."""
+
+def bunshin_version(fd: int) -> BunshinVersion:
+    """``BUNSHIN_IOC_VERSION`` on ``fd``, an open ``/dev/bunshin``.
+
+    Raises:
+        OSError: The subclass for errno; the message names
+            ``ioctl BUNSHIN_IOC_VERSION`` (``ENOTTY`` for an fd that is not
+            ``/dev/bunshin``, ``EPERM`` without ``CAP_SYS_ADMIN`` or
+            ``CAP_CHECKPOINT_RESTORE``).
+    """
+
+def bunshin_fork(fd: int, source_pid: int, target_pidfd: int) -> int:
+    """``BUNSHIN_IOC_FORK`` on ``fd``, an open ``/dev/bunshin``; the GIL is released.
+
+    Forks the single-threaded process ``source_pid`` (a pid in the caller's pid
+    namespace; its cgroup must be frozen with the cgroup v2 freezer) into the
+    pid, mount, network, UTS, IPC, cgroup and time namespaces, root and working
+    directory of the process ``target_pidfd`` refers to. The child's parent is
+    the init of the target's pid namespace; it shares the source's memory
+    copy-on-write, stays in the source's cgroup (frozen until it thaws) and
+    resumes where the source was frozen. It keeps a copy of the source's fd
+    table (a known isolation hole of this first version).
+
+    Returns:
+        The child's pid in the caller's pid namespace.
+
+    Raises:
+        ProcessLookupError: No such source or target (``ESRCH``).
+        BlockingIOError: The source has a signal pending (``EAGAIN``).
+        PermissionError: The caller lacks ``CAP_SYS_ADMIN`` (``EPERM``).
+        OSError: ``EBUSY`` (the source is not frozen), ``EINVAL`` (a
+            multi-threaded source: the kernel log names its pid), ``EBADF``
+            (``target_pidfd`` is not a pidfd), ``ETIMEDOUT``,
+            ``EOPNOTSUPP``; the message names ``ioctl BUNSHIN_IOC_FORK``.
+    """

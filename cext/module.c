@@ -25,6 +25,11 @@
 #define UMOUNT_NOFOLLOW 0x00000008
 #endif
 
+/* bunshin_dev.c: the /dev/bunshin ioctls. */
+BUNSHIN_DECLARE(bunshin_version);
+BUNSHIN_DECLARE(bunshin_fork);
+int bunshin_dev_exec(PyObject *module);
+
 #define METHOD(name) \
     {#name, (PyCFunction)(void (*)(void))bunshin_##name, METH_VARARGS | METH_KEYWORDS, \
      bunshin_##name##_doc}
@@ -40,6 +45,8 @@ static PyMethodDef bunshin_methods[] = {
     METHOD(umount2),
     METHOD(pivot_root),
     METHOD(scan_pages),
+    METHOD(bunshin_version),
+    METHOD(bunshin_fork),
     {NULL, NULL, 0, NULL},
 };
 
@@ -75,6 +82,8 @@ bunshin_exec(PyObject *module)
         }
     }
     if (bunshin_pagescan_exec(module) < 0)
+        goto error;
+    if (bunshin_dev_exec(module) < 0)
         goto error;
     return 0;
 error:

@@ -8,6 +8,7 @@
 #include <linux/types.h>
 
 struct kernel_clone_args;
+struct mm_struct;
 struct nsproxy;
 struct pid;
 struct task_struct;
@@ -28,11 +29,20 @@ struct bunshin_ksyms {
 				       struct nsproxy *new);
 	rwlock_t *tasklist_lock;
 	bool resolved;
+	/* Needed by BUNSHIN_IOC_FORK too; fork_ready says all were found. */
+	struct pid *(*pidfd_get_pid)(unsigned int fd, unsigned int *flags);
+	void (*cgroup_leave_frozen)(bool always_leave);
+	bool fork_ready;
+	/* Optional (NULL without CONFIG_LRU_GEN): what kernel_clone() does. */
+	void (*lru_gen_add_mm)(struct mm_struct *mm);
 };
 
 extern struct bunshin_ksyms bunshin_ksyms;
 
 /* Resolve bunshin_ksyms; 0 on success, a negative errno otherwise. */
 int bunshin_ksyms_init(void);
+
+/* BUNSHIN_IOC_FORK (bunshin_fork.c). */
+long bunshin_ioctl_fork(void __user *uarg);
 
 #endif /* BUNSHIN_INTERNAL_H */

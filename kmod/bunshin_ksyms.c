@@ -87,5 +87,12 @@ int bunshin_ksyms_init(void)
 	k->resolved = k->kernel_clone && k->copy_process &&
 		      k->wake_up_new_task && k->switch_task_namespaces &&
 		      k->tasklist_lock;
+	k->pidfd_get_pid = bunshin_lookup(lookup, "pidfd_get_pid");
+	k->cgroup_leave_frozen = bunshin_lookup(lookup, "cgroup_leave_frozen");
+	k->fork_ready = k->resolved && k->pidfd_get_pid &&
+			k->cgroup_leave_frozen;
+#ifdef CONFIG_LRU_GEN
+	k->lru_gen_add_mm = bunshin_lookup(lookup, "lru_gen_add_mm");
+#endif
 	return k->resolved ? 0 : -ENOENT;
 }

@@ -37,6 +37,8 @@ static u64 bunshin_features(void)
 
 	if (bunshin_ksyms.resolved)
 		features |= BUNSHIN_FEATURE_FORK_SYMBOLS;
+	if (bunshin_ksyms.fork_ready)
+		features |= BUNSHIN_FEATURE_FORK;
 	return features;
 }
 
@@ -71,6 +73,8 @@ static long bunshin_ioctl(struct file *file, unsigned int cmd,
 	switch (cmd) {
 	case BUNSHIN_IOC_VERSION:
 		return bunshin_ioctl_version(uarg);
+	case BUNSHIN_IOC_FORK:
+		return bunshin_ioctl_fork(uarg);
 	default:
 		return -ENOTTY;
 	}

@@ -626,3 +626,21 @@ def test_scan_pages_without_privilege_raises_permission_error() -> None:
     assert msg["errno"] == errno.EPERM
     assert msg["filename"] == f"/proc/{child.pid}/pagemap"
     assert "scan_pages" in msg["message"] and "CAP_SYS_ADMIN" in msg["message"]
+
+
+def test_module_ioctls_on_a_file_that_is_not_the_device(tmp_path) -> None:
+    # /dev/bunshin exists only in the lab VM (tests/vm/vm_fork.py drives it there); here the
+    # wrappers must fail cleanly on any other file, naming the ioctl
+    from bunshin_async import _bunshin_c as c
+
+    with open(tmp_path / "plain", "w") as f:
+        with pytest.raises(OSError) as e:
+            c.bunshin_version(f.fileno())
+        assert e.value.errno == errno.ENOTTY and "BUNSHIN_IOC_VERSION" in str(e.value)
+        with pytest.raises(OSError) as e:
+            c.bunshin_fork(f.fileno(), os.getpid(), -1)
+        assert e.value.errno in (errno.ENOTTY, errno.EBADF) and "BUNSHIN_IOC_FORK" in str(e.value)
+    with pytest.raises(OSError) as e:
+        c.bunshin_version(-1)
+    assert e.value.errno == errno.EBADF
+    assert c.BunshinVersion.n_sequence_fields == 3

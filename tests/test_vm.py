@@ -158,4 +158,7 @@ def test_module_suite_in_vm(kernel: _vm.KernelTree, tmp_path: Path) -> None:
                  "test_caller_without_cap_sys_admin_is_eperm", "test_truncated_argument_is_efault",
                  "test_version_rejects_nonzero_inputs", "test_reload_and_unload_leave_no_warning"):
         assert must in names
+    for must in ("test_fork_into_target", "test_source_not_frozen_is_ebusy", "test_multithreaded_source_is_einval",
+                 "test_fork_needs_cap_sys_admin", "test_100_forks_then_unload"):  # vm_fork.py: BUNSHIN_IOC_FORK
+        assert must in names
     assert "BUG:" not in r.dmesg and "WARNING:" not in r.dmesg

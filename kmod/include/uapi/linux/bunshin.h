@@ -34,6 +34,11 @@
  * when the module loaded.
  */
 #define BUNSHIN_FEATURE_FORK_SYMBOLS	(1ULL << 1)
+/*
+ * BUNSHIN_IOC_FORK works: the fork internals and the further ones it needs
+ * (pidfd_get_pid, cgroup_leave_frozen) were resolved.
+ */
+#define BUNSHIN_FEATURE_FORK		(1ULL << 2)
 
 /**
  * struct bunshin_version - argument of BUNSHIN_IOC_VERSION
@@ -54,5 +59,38 @@ struct bunshin_version {
 };
 
 #define BUNSHIN_IOC_VERSION	_IOWR(BUNSHIN_IOC_MAGIC, 0x00, struct bunshin_version)
+
+/**
+ * struct bunshin_fork_req - argument of BUNSHIN_IOC_FORK
+ * @flags: in: must be 0.
+ * @source_pid: in: the process to fork, a pid in the caller's pid namespace.
+ *	It must be single-threaded and frozen by the cgroup v2 freezer.
+ * @target_pidfd: in: a pidfd of a process whose namespaces (pid, mount,
+ *	network, UTS, IPC, cgroup, time), root and working directory the child
+ *	gets. The child's parent is the init of that pid namespace, which must
+ *	be the target's pid namespace for children too.
+ * @child_pid: out: the child's pid in the caller's pid namespace.
+ * @source_ns: out: nanoseconds the source spent running the fork.
+ * @reserved: in: must be 0; out: 0.
+ *
+ * Errors: EINVAL (nonzero flags or reserved field, a multi-threaded source,
+ * a kernel thread, the caller itself, a target whose pid namespace for
+ * children is not its own), ESRCH (no such source or target, or it exited
+ * midway), EBUSY (the source is not frozen), EBADF (target_pidfd is not a
+ * pidfd), EAGAIN (the source has a signal pending), ETIMEDOUT (the source did
+ * not run the fork in time), EINTR (the caller was killed while waiting),
+ * EPERM (the caller lacks CAP_SYS_ADMIN: CAP_CHECKPOINT_RESTORE alone is not
+ * enough for this command), EOPNOTSUPP (see BUNSHIN_FEATURE_FORK).
+ */
+struct bunshin_fork_req {
+	__u32 flags;
+	__s32 source_pid;
+	__s32 target_pidfd;
+	__s32 child_pid;
+	__u64 source_ns;
+	__u64 reserved[5];
+};
+
+#define BUNSHIN_IOC_FORK	_IOWR(BUNSHIN_IOC_MAGIC, 0x01, struct bunshin_fork_req)
 
 #endif /* _UAPI_LINUX_BUNSHIN_H */
