@@ -218,7 +218,24 @@ def bunshin_version(fd: int) -> BunshinVersion:
             ``CAP_CHECKPOINT_RESTORE``).
     """
 
-def bunshin_fork(fd: int, source_pid: int, target_pidfd: int) -> int:
+BUNSHIN_FORK_CGROUP: Final[int]
+"""``bunshin_fork`` flag: the child is born in a cgroup v2 directory (set by ``cgroup_fd``)."""
+BUNSHIN_FORK_SETSID: Final[int]
+"""``bunshin_fork`` flag: the child leads a new session and process group, without a tty."""
+BUNSHIN_FORK_JOIN_GROUP: Final[int]
+"""``bunshin_fork`` flag: the child joins a target process's session and group (set by ``group_pidfd``)."""
+BUNSHIN_FORK_REOPEN_FILES: Final[int]
+"""``bunshin_fork`` flag: the child's fds are the source's files reopened in the target's root."""
+
+def bunshin_fork(
+    fd: int,
+    source_pid: int,
+    target_pidfd: int,
+    *,
+    cgroup_fd: int = -1,
+    flags: int = 0,
+    group_pidfd: int = -1,
+) -> int:
     """``BUNSHIN_IOC_FORK`` on ``fd``, an open ``/dev/bunshin``; the GIL is released.
 
     Forks the single-threaded process ``source_pid`` (a pid in the caller's pid
@@ -226,19 +243,35 @@ def bunshin_fork(fd: int, source_pid: int, target_pidfd: int) -> int:
     pid, mount, network, UTS, IPC, cgroup and time namespaces, root and working
     directory of the process ``target_pidfd`` refers to. The child's parent is
     the init of the target's pid namespace; it shares the source's memory
-    copy-on-write, stays in the source's cgroup (frozen until it thaws) and
-    resumes where the source was frozen. It keeps a copy of the source's fd
-    table (a known isolation hole of this first version).
+    copy-on-write and resumes where the source was frozen.
+
+    With the defaults it stays in the source's cgroup (frozen until it thaws),
+    session and process group, and keeps a copy of the source's fd table.
+    ``cgroup_fd`` (an fd of a cgroup v2 directory, ``O_PATH`` is enough; sets
+    ``BUNSHIN_FORK_CGROUP``): the child is born in that cgroup, frozen if it is.
+    ``flags`` may add ``BUNSHIN_FORK_SETSID`` (a new session and process group,
+    no controlling tty) and ``BUNSHIN_FORK_REOPEN_FILES`` (every fd reopened in
+    the target's root: regular files and directories at the same path, offset
+    and flags, and ``/dev/null``, ``/dev/zero``, ``/dev/random``,
+    ``/dev/urandom``; any other kind fails the fork with ``EINVAL`` and the
+    kernel log names the fd and its kind). ``group_pidfd`` (sets
+    ``BUNSHIN_FORK_JOIN_GROUP``, not with ``BUNSHIN_FORK_SETSID``): the child
+    joins the session and process group of that process of the target.
 
     Returns:
         The child's pid in the caller's pid namespace.
 
     Raises:
-        ProcessLookupError: No such source or target (``ESRCH``).
+        ProcessLookupError: No such source, target or group process (``ESRCH``).
         BlockingIOError: The source has a signal pending (``EAGAIN``).
-        PermissionError: The caller lacks ``CAP_SYS_ADMIN`` (``EPERM``).
+        PermissionError: The caller lacks ``CAP_SYS_ADMIN`` (``EPERM``), or the
+            source's credentials may not move a task into ``cgroup_fd``
+            (``EACCES``).
         OSError: ``EBUSY`` (the source is not frozen), ``EINVAL`` (a
-            multi-threaded source: the kernel log names its pid), ``EBADF``
-            (``target_pidfd`` is not a pidfd), ``ETIMEDOUT``,
-            ``EOPNOTSUPP``; the message names ``ioctl BUNSHIN_IOC_FORK``.
+            multi-threaded source or an fd ``BUNSHIN_FORK_REOPEN_FILES`` cannot
+            reopen: the kernel log names them; unknown flags), ``EBADF``
+            (``target_pidfd`` or ``group_pidfd`` is not a pidfd, ``cgroup_fd``
+            not a cgroup v2 directory), ``ETIMEDOUT``, ``EOPNOTSUPP``, or what
+            reopening a file fails with; the message names
+            ``ioctl BUNSHIN_IOC_FORK``.
     """

@@ -1,5 +1,5 @@
 /* bunshin_dev.c: the ioctls of /dev/bunshin (kmod/): bunshin_version and
- * bunshin_fork. The structures come from the module's uapi header, the one
+ * bunshin_fork, and the BUNSHIN_FORK_* flags. The structures come from the module's uapi header, the one
  * contract between the two. */
 #include "bunshin_c.h"
 
@@ -35,6 +35,12 @@ bunshin_dev_exec(PyObject *module)
         Py_DECREF(type);
         return -1;
     }
+    if (PyModule_AddIntConstant(module, "BUNSHIN_FORK_CGROUP", BUNSHIN_FORK_CGROUP) < 0 ||
+        PyModule_AddIntConstant(module, "BUNSHIN_FORK_SETSID", BUNSHIN_FORK_SETSID) < 0 ||
+        PyModule_AddIntConstant(module, "BUNSHIN_FORK_JOIN_GROUP", BUNSHIN_FORK_JOIN_GROUP) < 0 ||
+        PyModule_AddIntConstant(module, "BUNSHIN_FORK_REOPEN_FILES",
+                                BUNSHIN_FORK_REOPEN_FILES) < 0)
+        return -1;
     return 0;
 }
 
@@ -100,25 +106,41 @@ error:
 }
 
 const char bunshin_bunshin_fork_doc[] =
-    "bunshin_fork(fd, source_pid, target_pidfd)\n--\n\n"
+    "bunshin_fork(fd, source_pid, target_pidfd, *, cgroup_fd=-1, flags=0, group_pidfd=-1)\n--\n\n"
     "BUNSHIN_IOC_FORK on fd (an open /dev/bunshin): fork the frozen,\n"
     "single-threaded process source_pid into the namespaces, root and cwd of\n"
     "the process target_pidfd refers to, under the init of its pid namespace.\n"
-    "Return the child's pid (in the caller's pid namespace).";
+    "cgroup_fd (a cgroup v2 directory) sets BUNSHIN_FORK_CGROUP, group_pidfd\n"
+    "BUNSHIN_FORK_JOIN_GROUP; flags adds BUNSHIN_FORK_SETSID and\n"
+    "BUNSHIN_FORK_REOPEN_FILES. Return the child's pid (in the caller's pid\n"
+    "namespace).";
 
 PyObject *
 bunshin_bunshin_fork(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"fd", "source_pid", "target_pidfd", NULL};
+    static char *kwlist[] = {"fd", "source_pid", "target_pidfd", "cgroup_fd", "flags",
+                             "group_pidfd", NULL};
     struct bunshin_fork_req req;
-    int fd, source_pid, target_pidfd;
+    int fd, source_pid, target_pidfd, cgroup_fd = -1, group_pidfd = -1;
+    unsigned int flags = 0;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iii:bunshin_fork", kwlist,
-                                     &fd, &source_pid, &target_pidfd))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iii|$iIi:bunshin_fork", kwlist, &fd,
+                                     &source_pid, &target_pidfd, &cgroup_fd, &flags,
+                                     &group_pidfd))
         goto error;
     memset(&req, 0, sizeof(req));
     req.source_pid = source_pid;
     req.target_pidfd = target_pidfd;
+    req.flags = flags;
+    /* A field is used only with its flag (and must be 0 otherwise). */
+    if (cgroup_fd >= 0) {
+        req.flags |= BUNSHIN_FORK_CGROUP;
+        req.cgroup_fd = cgroup_fd;
+    }
+    if (group_pidfd >= 0) {
+        req.flags |= BUNSHIN_FORK_JOIN_GROUP;
+        req.group_pidfd = group_pidfd;
+    }
     /* The module fails with EINTR only on a fatal signal, after it
      * cancelled the queued fork: a retry never forks twice. */
     if (bunshin_dev_ioctl(fd, BUNSHIN_IOC_FORK, &req, "ioctl BUNSHIN_IOC_FORK") < 0)

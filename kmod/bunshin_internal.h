@@ -5,11 +5,16 @@
 #ifndef BUNSHIN_INTERNAL_H
 #define BUNSHIN_INTERNAL_H
 
+#include <linux/pid.h>
 #include <linux/types.h>
 
+struct fd_range;
+struct files_struct;
+struct file;
 struct kernel_clone_args;
 struct mm_struct;
 struct nsproxy;
+struct path;
 struct pid;
 struct task_struct;
 
@@ -35,6 +40,24 @@ struct bunshin_ksyms {
 	bool fork_ready;
 	/* Optional (NULL without CONFIG_LRU_GEN): what kernel_clone() does. */
 	void (*lru_gen_add_mm)(struct mm_struct *mm);
+	/* BUNSHIN_FORK_CGROUP and BUNSHIN_FORK_REOPEN_FILES: the child's table. */
+#ifdef BUNSHIN_DUP_FD_RANGE
+	struct files_struct *(*dup_fd)(struct files_struct *oldf,
+				       struct fd_range *punch_hole);
+#else
+	struct files_struct *(*dup_fd)(struct files_struct *oldf,
+				       unsigned int max_fds, int *errorp);
+#endif
+	void (*put_files_struct)(struct files_struct *files);
+	/* BUNSHIN_FORK_REOPEN_FILES. */
+	int (*replace_fd)(unsigned int fd, struct file *file,
+			  unsigned int flags);
+	char *(*d_path_under)(const struct path *path, const struct path *root,
+			      char *buf, int buflen);	/* __d_path() */
+	/* BUNSHIN_FORK_SETSID, BUNSHIN_FORK_JOIN_GROUP. */
+	void (*change_pid)(struct task_struct *task, enum pid_type type,
+			   struct pid *pid);
+	bool cgroup_ready, session_ready, files_ready;
 };
 
 extern struct bunshin_ksyms bunshin_ksyms;

@@ -91,6 +91,14 @@ int bunshin_ksyms_init(void)
 	k->cgroup_leave_frozen = bunshin_lookup(lookup, "cgroup_leave_frozen");
 	k->fork_ready = k->resolved && k->pidfd_get_pid &&
 			k->cgroup_leave_frozen;
+	k->dup_fd = bunshin_lookup(lookup, "dup_fd");
+	k->put_files_struct = bunshin_lookup(lookup, "put_files_struct");
+	k->replace_fd = bunshin_lookup(lookup, "replace_fd");
+	k->d_path_under = bunshin_lookup(lookup, "__d_path");
+	k->change_pid = bunshin_lookup(lookup, "change_pid");
+	k->cgroup_ready = k->fork_ready && k->dup_fd && k->put_files_struct;
+	k->files_ready = k->cgroup_ready && k->replace_fd && k->d_path_under;
+	k->session_ready = k->fork_ready && k->change_pid;
 #ifdef CONFIG_LRU_GEN
 	k->lru_gen_add_mm = bunshin_lookup(lookup, "lru_gen_add_mm");
 #endif

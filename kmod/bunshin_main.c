@@ -39,6 +39,12 @@ static u64 bunshin_features(void)
 		features |= BUNSHIN_FEATURE_FORK_SYMBOLS;
 	if (bunshin_ksyms.fork_ready)
 		features |= BUNSHIN_FEATURE_FORK;
+	if (bunshin_ksyms.cgroup_ready)
+		features |= BUNSHIN_FEATURE_FORK_CGROUP;
+	if (bunshin_ksyms.session_ready)
+		features |= BUNSHIN_FEATURE_FORK_SESSION;
+	if (bunshin_ksyms.files_ready)
+		features |= BUNSHIN_FEATURE_FORK_FILES;
 	return features;
 }
 

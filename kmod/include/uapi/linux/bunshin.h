@@ -20,7 +20,12 @@
 #include <linux/types.h>
 
 /* The ABI version this header describes (bunshin_version.abi_version). */
-#define BUNSHIN_ABI_VERSION	1
+/*
+ * 2: struct bunshin_fork_req gained flags and the fields cgroup_fd and
+ * group_pidfd (in what were reserved[0]); a request with flags 0 means what it
+ * meant in version 1.
+ */
+#define BUNSHIN_ABI_VERSION	2
 
 /* The ioctl type byte of /dev/bunshin's commands. */
 #define BUNSHIN_IOC_MAGIC	0xBB
@@ -39,6 +44,12 @@
  * (pidfd_get_pid, cgroup_leave_frozen) were resolved.
  */
 #define BUNSHIN_FEATURE_FORK		(1ULL << 2)
+/* BUNSHIN_FORK_CGROUP works (dup_fd, put_files_struct resolved). */
+#define BUNSHIN_FEATURE_FORK_CGROUP	(1ULL << 3)
+/* BUNSHIN_FORK_SETSID and BUNSHIN_FORK_JOIN_GROUP work (change_pid). */
+#define BUNSHIN_FEATURE_FORK_SESSION	(1ULL << 4)
+/* BUNSHIN_FORK_REOPEN_FILES works (replace_fd, __d_path too). */
+#define BUNSHIN_FEATURE_FORK_FILES	(1ULL << 5)
 
 /**
  * struct bunshin_version - argument of BUNSHIN_IOC_VERSION
@@ -60,9 +71,37 @@ struct bunshin_version {
 
 #define BUNSHIN_IOC_VERSION	_IOWR(BUNSHIN_IOC_MAGIC, 0x00, struct bunshin_version)
 
+/* bunshin_fork_req.flags */
+/*
+ * The child is born in the cgroup v2 directory cgroup_fd names (as with
+ * clone3's CLONE_INTO_CGROUP, checked with the source's credentials and the
+ * target's cgroup namespace), not in the source's cgroup.
+ */
+#define BUNSHIN_FORK_CGROUP		(1U << 0)
+/* The child leads a new session and process group and has no tty. */
+#define BUNSHIN_FORK_SETSID		(1U << 1)
+/*
+ * The child joins the session and process group of the process group_pidfd
+ * refers to (in the target's pid namespace), and has no controlling tty.
+ */
+#define BUNSHIN_FORK_JOIN_GROUP		(1U << 2)
+/*
+ * The child's fd table holds the source's fds reopened in the target's root:
+ * regular files and directories at the same path, offset and flags, and
+ * /dev/null, /dev/zero, /dev/random, /dev/urandom. Any other kind of fd
+ * (socket, pipe, FIFO, tty, eventfd, a deleted or unreachable file, ...)
+ * fails the whole fork with EINVAL, and the kernel log names the source's
+ * pid, the fd and its kind.
+ */
+#define BUNSHIN_FORK_REOPEN_FILES	(1U << 3)
+#define BUNSHIN_FORK_FLAGS		(BUNSHIN_FORK_CGROUP | \
+					 BUNSHIN_FORK_SETSID | \
+					 BUNSHIN_FORK_JOIN_GROUP | \
+					 BUNSHIN_FORK_REOPEN_FILES)
+
 /**
  * struct bunshin_fork_req - argument of BUNSHIN_IOC_FORK
- * @flags: in: must be 0.
+ * @flags: in: BUNSHIN_FORK_* bits (0: the behaviour of ABI version 1).
  * @source_pid: in: the process to fork, a pid in the caller's pid namespace.
  *	It must be single-threaded and frozen by the cgroup v2 freezer.
  * @target_pidfd: in: a pidfd of a process whose namespaces (pid, mount,
@@ -71,16 +110,26 @@ struct bunshin_version {
  *	be the target's pid namespace for children too.
  * @child_pid: out: the child's pid in the caller's pid namespace.
  * @source_ns: out: nanoseconds the source spent running the fork.
+ * @cgroup_fd: in: with BUNSHIN_FORK_CGROUP, an fd of a cgroup v2 directory
+ *	(O_PATH is enough); 0 otherwise.
+ * @group_pidfd: in: with BUNSHIN_FORK_JOIN_GROUP, a pidfd of a process in
+ *	the target's pid namespace; 0 otherwise.
  * @reserved: in: must be 0; out: 0.
  *
- * Errors: EINVAL (nonzero flags or reserved field, a multi-threaded source,
+ * Errors: EINVAL (unknown flags, SETSID with JOIN_GROUP, a nonzero
+ * reserved field or a field its flag does not use, a multi-threaded source,
  * a kernel thread, the caller itself, a target whose pid namespace for
- * children is not its own), ESRCH (no such source or target, or it exited
- * midway), EBUSY (the source is not frozen), EBADF (target_pidfd is not a
- * pidfd), EAGAIN (the source has a signal pending), ETIMEDOUT (the source did
- * not run the fork in time), EINTR (the caller was killed while waiting),
- * EPERM (the caller lacks CAP_SYS_ADMIN: CAP_CHECKPOINT_RESTORE alone is not
- * enough for this command), EOPNOTSUPP (see BUNSHIN_FEATURE_FORK).
+ * children is not its own, a group process in another pid namespace, an fd
+ * REOPEN_FILES cannot reopen), ESRCH (no such source, target or group
+ * process, or it exited midway), EBUSY (the source is not frozen), EBADF
+ * (target_pidfd or group_pidfd is not a pidfd, cgroup_fd is not a cgroup v2
+ * directory), EAGAIN (the source has a signal pending), ETIMEDOUT (the
+ * source did not run the fork in time), EINTR (the caller was killed while
+ * waiting), EPERM (the caller lacks CAP_SYS_ADMIN: CAP_CHECKPOINT_RESTORE
+ * alone is not enough for this command), EOPNOTSUPP (see
+ * BUNSHIN_FEATURE_FORK and the BUNSHIN_FEATURE_FORK_* bits); what opening a
+ * file in the target or CLONE_INTO_CGROUP can fail with (ENOENT, EACCES,
+ * EROFS, ENODEV, EBUSY, ...).
  */
 struct bunshin_fork_req {
 	__u32 flags;
@@ -88,7 +137,9 @@ struct bunshin_fork_req {
 	__s32 target_pidfd;
 	__s32 child_pid;
 	__u64 source_ns;
-	__u64 reserved[5];
+	__s32 cgroup_fd;
+	__s32 group_pidfd;
+	__u64 reserved[4];
 };
 
 #define BUNSHIN_IOC_FORK	_IOWR(BUNSHIN_IOC_MAGIC, 0x01, struct bunshin_fork_req)
