@@ -16,9 +16,24 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <sched.h>
 #include <stdint.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+/* Flags older C library headers may lack (values from the kernel's uapi). */
+#ifndef CLONE_NEWTIME
+#define CLONE_NEWTIME 0x00000080
+#endif
+#ifndef CLONE_PIDFD
+#define CLONE_PIDFD 0x00001000
+#endif
+#ifndef CLONE_CLEAR_SIGHAND
+#define CLONE_CLEAR_SIGHAND 0x100000000ULL
+#endif
+#ifndef CLONE_INTO_CGROUP
+#define CLONE_INTO_CGROUP 0x200000000ULL
+#endif
 
 /* Per-module state (multi-phase init: nothing is kept in C globals). */
 typedef struct {
@@ -55,6 +70,9 @@ int bunshin_ulong_converter(PyObject *obj, void *out);         /* non-negative i
 
 /* Decode a converted path (bytes or NULL) back to str for error messages. */
 PyObject *bunshin_path_for_error(PyObject *bytes_path);
+
+/* bunshin_set_errno with the converted path as the file name; returns NULL. */
+PyObject *bunshin_set_errno_path(int err, const char *syscall, PyObject *bytes_path);
 
 /* Methods (each file defines its functions and docstrings). ----------- */
 

@@ -8,15 +8,6 @@
 #ifndef SYS_clone3
 #define SYS_clone3 435
 #endif
-#ifndef CLONE_PIDFD
-#define CLONE_PIDFD 0x00001000
-#endif
-#ifndef CLONE_CLEAR_SIGHAND
-#define CLONE_CLEAR_SIGHAND 0x100000000ULL
-#endif
-#ifndef CLONE_INTO_CGROUP
-#define CLONE_INTO_CGROUP 0x200000000ULL
-#endif
 
 /* The kernel's struct clone_args, version 2 (88 bytes, Linux >= 5.7). */
 struct bunshin_clone_args {

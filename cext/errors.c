@@ -113,3 +113,15 @@ bunshin_path_for_error(PyObject *bytes_path)
     return PyUnicode_DecodeFSDefaultAndSize(PyBytes_AS_STRING(bytes_path),
                                             PyBytes_GET_SIZE(bytes_path));
 }
+
+PyObject *
+bunshin_set_errno_path(int err, const char *syscall, PyObject *bytes_path)
+{
+    PyObject *name = bunshin_path_for_error(bytes_path);
+
+    if (name == NULL)
+        return NULL;
+    bunshin_set_errno(err, syscall, name, NULL);
+    Py_DECREF(name);
+    return NULL;
+}

@@ -25,7 +25,7 @@ bunshin_mount(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"source", "target", "fstype", "flags", "data", NULL};
     PyObject *source = NULL, *target = NULL, *fstype = NULL, *data = NULL;
-    PyObject *result = NULL, *name = NULL;
+    PyObject *result = NULL;
     unsigned long flags = 0;
     int r, async_err = 0;
 
@@ -42,15 +42,11 @@ bunshin_mount(PyObject *module, PyObject *args, PyObject *kwargs)
     if (async_err)
         goto error;
     if (r < 0) {
-        int err = errno;
-        name = bunshin_path_for_error(target);
-        if (name != NULL)
-            bunshin_set_errno(err, "mount", name, NULL);
+        bunshin_set_errno_path(errno, "mount", target);
         goto error;
     }
     result = Py_NewRef(Py_None);
 error:
-    Py_XDECREF(name);
     Py_XDECREF(source);
     Py_XDECREF(target);
     Py_XDECREF(fstype);
@@ -66,7 +62,7 @@ PyObject *
 bunshin_umount2(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"target", "flags", NULL};
-    PyObject *target = NULL, *result = NULL, *name = NULL;
+    PyObject *target = NULL, *result = NULL;
     int flags = 0, r, async_err = 0;
 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&|i:umount2", kwlist,
@@ -76,15 +72,11 @@ bunshin_umount2(PyObject *module, PyObject *args, PyObject *kwargs)
     if (async_err)
         goto error;
     if (r < 0) {
-        int err = errno;
-        name = bunshin_path_for_error(target);
-        if (name != NULL)
-            bunshin_set_errno(err, "umount2", name, NULL);
+        bunshin_set_errno_path(errno, "umount2", target);
         goto error;
     }
     result = Py_NewRef(Py_None);
 error:
-    Py_XDECREF(name);
     Py_XDECREF(target);
     return result;
 }
