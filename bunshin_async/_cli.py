@@ -33,9 +33,9 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 <<
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
-def _say(console: Console, text: str) -> None:
+def _say(console: Console, text: str, style: str | None = None) -> None:
     """Print *text* as it is (file names may hold brackets, which rich would read as markup)."""
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
+    console.print(text, markup=False, highlight=False, soft_wrap=True, style=style)
 
 
 def parse_page_size(text: str) -> int:
@@ -80,21 +80,13 @@ def _run(trace: Trace, engine: str, policy: str, args: argparse.Namespace, progr
     from sim import simulate
 
     cfg = _config(args, policy)
-    total = sum(len(g) for step in _plan_groups(trace, cfg) for g in step)
-    tid = progress.add_task(f"{engine}/{policy}", total=total) if progress else None
+    tid = progress.add_task(f"{engine}/{policy}", total=None) if progress else None
 
-    def tick(done: int, _total: int) -> None:
+    def tick(done: int, total: int) -> None:
         if progress is not None and tid is not None:
-            progress.update(tid, completed=done)
+            progress.update(tid, completed=done, total=total)
 
     return simulate(trace, engine=engine, config=cfg, page_size=args.page_size, on_progress=tick)
-
-
-def _plan_groups(trace: Trace, cfg: SchedulerConfig) -> list[list[list[Any]]]:
-    from ._policy import TracePolicy
-    from ._scheduler import plan_steps
-
-    return plan_steps(TracePolicy(trace).planned(), cfg).steps
 
 
 def _progress(console: Console) -> Progress:

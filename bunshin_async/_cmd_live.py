@@ -18,6 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ._cli import _say
 from ._exceptions import ConfigError
 
 __all__ = ["default_spec_path", "register"]
@@ -30,10 +31,6 @@ def default_spec_path() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     installed = os.path.join(here, "workspace.toml")
     return installed if os.path.exists(installed) else os.path.join(os.path.dirname(here), "examples", "workspace.toml")
-
-
-def _say(console: Console, text: str) -> None:
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def _state(args: argparse.Namespace) -> Any:
@@ -112,7 +109,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from ._cli import _summary
     from ._live import LiveBackend, demo_trace, live_trace
     from ._policy import TracePolicy
-    from ._scheduler import SchedulerConfig, caching_policy, plan_steps
+    from ._scheduler import SchedulerConfig
     from ._selector import HistorySelector
     from ._spec import load_spec
     from ._trace import dump_trace, load_trace
@@ -133,7 +130,6 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     config = SchedulerConfig.preset(args.policy, **over)
     # live observations differ from the ones recorded elsewhere: replay the calls, not checks
     policy = TracePolicy(trace, check=False, think_scale=args.think_scale)
-    total = sum(len(g) for step in plan_steps(policy.planned(), config).steps for g in step)
 
     async def main() -> Any:
         from ._scheduler import Scheduler
@@ -142,12 +138,12 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             with Progress(TextColumn(f"live {args.policy}"), BarColumn(), MofNCompleteColumn(),
                           TextColumn("rollouts"), TimeElapsedColumn(), console=console, transient=True,
                           disable=not console.is_terminal) as progress:
-                tid = progress.add_task("run", total=total)
+                tid = progress.add_task("run", total=None)
                 sched = Scheduler(
                     backend, policy, config,
                     selector=HistorySelector() if config.speculation else None,
                     cacheable=lambda call: bool(spec.tools.get(call.name) and spec.tools[call.name].cacheable),
-                    on_progress=lambda done, _total: progress.update(tid, completed=done),
+                    on_progress=lambda done, total: progress.update(tid, completed=done, total=total),
                 )
                 result = await sched.run()
             recorded = live_trace(trace, result, backend)

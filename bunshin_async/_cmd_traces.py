@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ._cli import _say
 from ._exceptions import BunshinError, TraceError
 from ._importers import IMPORT_FORMATS, ImportModel, import_trace
 from ._selector import (
@@ -27,10 +28,6 @@ from ._stats import SelectorScore, TraceStats, evaluate_selectors, trace_stats
 from ._trace import Trace, dump_trace, load_trace
 
 __all__ = ["default_factories", "plot_stats", "register"]
-
-
-def _say(console: Console, text: str) -> None:
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def _observe_all(sel: SpecToolSelector, trace: Trace) -> SpecToolSelector:

@@ -17,13 +17,10 @@ from typing import Any, Self
 
 from rich.console import Console
 
+from ._cli import _say
 from ._exceptions import ConfigError
 
 __all__ = ["register"]
-
-
-def _say(console: Console, text: str, style: str | None = None) -> None:
-    console.print(text, markup=False, highlight=False, soft_wrap=True, style=style)
 
 
 class _Steps:

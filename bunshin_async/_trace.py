@@ -55,11 +55,7 @@ class ToolCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: Name
     """The tool's name, for example ``"shell"`` or ``"click"``."""
     arguments: dict[str, Any] = {}
-    """The call's arguments, a JSON object."""
-
-    def key(self) -> bytes:
-        """The canonical form of the call: name and arguments as JSON with sorted keys."""
-        return call_key(self)
+    """The call's arguments, a JSON object; :func:`call_key` gives the call's canonical form."""
 
 
 def call_key(call: ToolCall) -> bytes:

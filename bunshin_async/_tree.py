@@ -81,16 +81,6 @@ class Node:
         self.hits = 0
         self.last_used = 0
 
-    def path(self) -> list[Node]:
-        """The nodes from the root's first child down to this one."""
-        out = []
-        n: Node | None = self
-        while n is not None and n.parent is not None:
-            out.append(n)
-            n = n.parent
-        out.reverse()
-        return out
-
     def __repr__(self) -> str:
         name = self.call.name if self.call else "root"
         return f"<node {self.task.id}@{self.depth} {name} {self.tier.value}>"

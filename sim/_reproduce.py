@@ -405,7 +405,6 @@ def reproduce(
              + 3 * (len(sweeps["group"]) + len(sweeps["dirty"]) + len(sweeps["tail"]))
              + len(sweeps["accuracy"]) + 1)
     tick = _Steps(total, progress)
-    figures: dict[str, str] = {}
     rows: list[Comparison] = []
 
     # -- OSWorld: engines and policies ------------------------------------------------------
@@ -451,7 +450,7 @@ def reproduce(
     sens = _sensitivity(osw, sweeps, tick)
 
     # -- figures ----------------------------------------------------------------------------
-    figures.update(_plots(outdir, o, w, scale_points, scaling, share_o, share_w, sens, capped))
+    _plots(outdir, o, w, scale_points, scaling, share_o, share_w, sens)
 
     # -- rows -------------------------------------------------------------------------------
     b = o["bunshin"]
@@ -481,14 +480,14 @@ def reproduce(
     times = {e: capped[e][1].time for e in _ENGINES}
     rows.append(Comparison("WebArena under the memory cap: criu epoch / bunshin epoch", 2.4,
                            times["criu"] / times["bunshin"], "x",
-                           note=f"largest max_concurrent fitting: " + ", ".join(
+                           note="largest max_concurrent fitting: " + ", ".join(
                                f"{e} {capped[e][0]}" for e in _ENGINES)))
     rows.append(Comparison("OSWorld workspace memory still shareable after 10 steps", 50.0,
                            100.0 * share_o[10], "%", bound=True, note="seed: 'over half'"))
     rows = [msgspec.structs.replace(c, note=(c.note + ". " + _WHY[c.figure]) if c.note else _WHY[c.figure])
             if not c.ok and not c.bound and c.figure in _WHY and not quick else c for c in rows]
     _write_report(outdir, quick, osw, web, o, w, rows, scale_points, scaling, capped, cap,
-                  share_o, share_w, sens, sweeps, figures, savings)
+                  share_o, share_w, sens, savings)
     tick("report")
     return rows
 
@@ -619,20 +618,18 @@ def _sensitivity(cal: Calibration, sweeps: dict[str, list[float]], tick: Callabl
 
 def _plots(outdir: Path, o: dict[str, _Run], w: dict[str, _Run], scale_points: list[int],
            scaling: dict[str, list[int]], share_o: list[float], share_w: list[float],
-           sens: dict[str, list[dict[str, float]]], capped: dict[str, tuple[int, _Run]]) -> dict[str, str]:
+           sens: dict[str, list[dict[str, float]]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     plt.rcParams["svg.hashsalt"] = "bunshin"
-    names: dict[str, str] = {}
 
     def save(fig: Any, name: str) -> None:
         fig.tight_layout()
         fig.savefig(outdir / name, metadata={"Software": None})
         plt.close(fig)
-        names[name] = name
 
     def series(ax: Any, run: _Run, attr: str, scale: float, label: str) -> None:
         pts = [(t, v) for t, v in getattr(run.result, attr) if run.start <= t <= run.end]
@@ -704,7 +701,6 @@ def _plots(outdir: Path, o: dict[str, _Run], w: dict[str, _Run], scale_points: l
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     save(fig, "sensitivity_accuracy.png")
-    return names
 
 
 def _fmt(x: float, unit: str) -> str:
@@ -727,7 +723,7 @@ def _write_report(outdir: Path, quick: bool, osw: Calibration, web: Calibration,
                   w: dict[str, _Run], rows: list[Comparison], scale_points: list[int],
                   scaling: dict[str, list[int]], capped: dict[str, tuple[int, _Run]], cap: int,
                   share_o: list[float], share_w: list[float], sens: dict[str, list[dict[str, float]]],
-                  sweeps: dict[str, list[float]], figures: dict[str, str], savings: dict[str, float]) -> None:
+                  savings: dict[str, float]) -> None:
     L: list[str] = []
     add = L.append
     n_o = osw.workload.tasks * osw.workload.group_size
