@@ -213,7 +213,11 @@ def rollup(pid: int) -> dict[str, int]:
 def wait_lines(log: Path, pred, timeout: float = 20.0) -> list[list[str]]:
     deadline = time.monotonic() + timeout
     while True:
-        lines = [ln.split() for ln in log.read_text().splitlines() if ln.count(" ") == 3]
+        try:
+            text = log.read_text()
+        except FileNotFoundError:  # the source has not opened it yet
+            text = ""
+        lines = [ln.split() for ln in text.splitlines() if ln.count(" ") == 3]
         if pred(lines) or time.monotonic() > deadline:
             return lines
         time.sleep(0.05)
