@@ -6,6 +6,7 @@ from ._backend import Backend, CallContext, ColdSnapshot, ToolResult, Workspace,
 from ._container import Container, ExecResult, GcReport, MemoryUsage, StateDir, gc, open_container
 from ._exceptions import (
     BackendError,
+    ModelError,
     BunshinError,
     ConfigError,
     TraceError,
@@ -81,6 +82,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend",
     "BackendError",
+    "ModelError",
     "BlendSelector",
     "BunshinError",
     "CallContext",

@@ -14,6 +14,7 @@ __all__ = [
     "WorkspaceReleasedError",
     "TransparencyError",
     "VMError",
+    "ModelError",
 ]
 
 
@@ -65,4 +66,14 @@ class VMError(BunshinError):
     For example: qemu, busybox-static or apt are missing, a kernel version apt does not know,
     the module does not build, the guest fails to mount its root, or the run times out. The
     message says which step failed and, for a failed boot, ends with the guest console's tail.
+    """
+
+
+class ModelError(BunshinError):
+    """Raised when the model a policy calls cannot produce a usable next step.
+
+    For example: the endpoint timed out or refused the request after every retry, or it
+    answered with something that is not a chat completion, a tool call naming no known tool,
+    or arguments that are not a JSON object. The scheduler fails only the rollout whose
+    policy raised it; the rest of the batch goes on.
     """

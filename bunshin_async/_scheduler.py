@@ -27,7 +27,7 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from ._backend import Backend, CallContext, ToolResult, Workspace, WorkspaceMemory
-from ._exceptions import BackendError, ConfigError
+from ._exceptions import BackendError, ConfigError, ModelError
 from ._memory import MemoryAccountant, MemoryStatistics
 from ._policy import Finish, Observation, Policy, SampleView
 from ._selector import SpecToolSelector
@@ -579,7 +579,7 @@ class Scheduler:
             try:
                 with scope:
                     await self._sample_loop(s, state)
-            except* BackendError as group:  # this sample fails; the batch goes on
+            except* (BackendError, ModelError) as group:  # this sample fails; the batch goes on
                 error = "; ".join(f"{type(e).__name__}: {e}" for e in _leaves(group))
             finally:
                 state.unfinished -= 1
