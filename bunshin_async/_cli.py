@@ -69,7 +69,7 @@ def _load_or_generate(args: argparse.Namespace, console: Console) -> Trace:
 def _config(args: argparse.Namespace, policy: str) -> SchedulerConfig:
     over: dict[str, Any] = {"seed": args.seed, "mode": args.mode}
     for name in ("batch_tasks", "group_size", "staleness", "max_concurrent", "hot_budget",
-                 "cold_budget", "spec_budget", "spec_tail", "spec_min_confidence", "train_time"):
+                 "cold_budget", "spec_budget", "spec_tail", "spec_min_confidence", "spec_rule", "train_time"):
         v = getattr(args, name, None)
         if v is not None:
             over[name] = v
@@ -86,7 +86,33 @@ def _run(trace: Trace, engine: str, policy: str, args: argparse.Namespace, progr
         if progress is not None and tid is not None:
             progress.update(tid, completed=done, total=total)
 
-    return simulate(trace, engine=engine, config=cfg, page_size=args.page_size, on_progress=tick)
+    return simulate(trace, engine=engine, config=cfg, page_size=args.page_size, on_progress=tick,
+                    cancels=getattr(args, "cancel", None) or (), **_plugins(args))
+
+
+def _plugins(args: argparse.Namespace) -> dict[str, Any]:
+    """Fresh instances of the policies named by --cacheability, --eviction, --speculation and
+    --selector (a built-in name or module:attribute)."""
+    from ._plugins import POLICY_KINDS, load_policy
+
+    out: dict[str, Any] = {}
+    for kind in POLICY_KINDS:
+        spec = getattr(args, kind, None)
+        if spec:
+            _, factory = load_policy(spec, kind)
+            out[kind] = factory()
+    return out
+
+
+def parse_cancel(text: str) -> tuple[float, int]:
+    """``T:N``: cancel rollout number N of the plan at virtual second T."""
+    t, sep, n = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return float(t), int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not T:N (cancel rollout number N at second T), e.g. 20:3") from None
 
 
 def _progress(console: Console) -> Progress:
@@ -275,6 +301,16 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-budget", type=int, help="speculative branches at once (default 32)")
     p.add_argument("--spec-tail", type=float, help="speculate once at most this share of a step still runs (default 0.25)")
     p.add_argument("--spec-min-confidence", type=float, help="least prediction confidence to speculate on (default 0.3)")
+    p.add_argument("--spec-rule", choices=("benefit", "confidence"), help="speculate when the expected saving beats the cost, "
+                   "or on confidence alone (default benefit)")
+    for kind, default, what in (
+        ("cacheability", "recorded: the trace's marks", "which calls may be cached"),
+        ("eviction", "lru", "which snapshots leave the prefix tree's tiers"),
+        ("speculation", "tail-benefit", "when and what to run ahead"),
+        ("selector", "history", "the next-call predictor"),
+    ):
+        p.add_argument(f"--{kind}", metavar="POLICY",
+                       help=f"{what}: a built-in name or module:attribute (default {default}); see docs/policies.md")
     p.add_argument("--page-size", type=parse_page_size, default=1 << 20, help="page model resolution (default 1MiB)")
     p.add_argument("--plot", metavar="DIR", help="write PNG figures to DIR")
 
@@ -295,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=ENGINE_NAMES, default="bunshin", help="fork engine (default bunshin)")
     p.add_argument("--policy", choices=POLICIES, default="full", help="base, spec or full (default full)")
     p.add_argument("--json", metavar="FILE", help="write the whole result as JSON")
+    p.add_argument("--cancel", metavar="T:N", type=parse_cancel, action="append",
+                   help="cancel rollout number N of the plan at virtual second T (repeatable)")
     p.set_defaults(fn=cmd_replay)
 
     p = sub.add_parser("compare", help="replay under several engines and policies, side by side")
@@ -324,7 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Modules that add commands: each defines ``register(sub, trace_sub)``, adding parsers to the
 # top-level subcommands and to ``bunshin trace``; a parser's ``fn(args, console) -> int`` runs it.
-_COMMAND_MODULES = ("_cmd_traces", "_cmd_reproduce", "_cmd_live", "_cmd_vm")
+_COMMAND_MODULES = ("_cmd_traces", "_cmd_reproduce", "_cmd_live", "_cmd_vm", "_cmd_check")
+
+
+def _leaves(group: BaseException) -> list[BaseException]:
+    if isinstance(group, BaseExceptionGroup):
+        return [leaf for e in group.exceptions for leaf in _leaves(e)]
+    return [group]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -337,6 +381,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.fn(args, console))
     except BunshinError as exc:
         _say(Console(stderr=True), f"bunshin: error: {exc}")
+        return 2
+    except BaseExceptionGroup as group:  # a run's task groups wrap what failed inside them
+        ours = [e for e in _leaves(group) if isinstance(e, BunshinError)]
+        if not ours:
+            raise
+        _say(Console(stderr=True), f"bunshin: error: {type(ours[0]).__name__}: {ours[0]}")
         return 2
     except OSError as exc:  # writing an output file or folder
         where = f"{exc.filename}: " if exc.filename else ""

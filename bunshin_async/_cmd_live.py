@@ -110,6 +110,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from ._live import LiveBackend, demo_trace, live_trace
     from ._policy import TracePolicy
     from ._scheduler import SchedulerConfig
+    from ._plugins import CacheableTools
     from ._selector import HistorySelector
     from ._spec import load_spec
     from ._trace import dump_trace, load_trace
@@ -142,7 +143,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 sched = Scheduler(
                     backend, policy, config,
                     selector=HistorySelector() if config.speculation else None,
-                    cacheable=lambda call: bool(spec.tools.get(call.name) and spec.tools[call.name].cacheable),
+                    cacheable=CacheableTools(n for n, t in spec.tools.items() if t.cacheable),
                     on_progress=lambda done, total: progress.update(tid, completed=done, total=total),
                 )
                 result = await sched.run()

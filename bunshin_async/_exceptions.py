@@ -15,6 +15,7 @@ __all__ = [
     "TransparencyError",
     "VMError",
     "ModelError",
+    "PolicyError",
 ]
 
 
@@ -76,4 +77,15 @@ class ModelError(BunshinError):
     answered with something that is not a chat completion, a tool call naming no known tool,
     or arguments that are not a JSON object. The scheduler fails only the rollout whose
     policy raised it; the rest of the batch goes on.
+    """
+
+
+class PolicyError(BunshinError):
+    """Raised when a scheduling policy breaks its contract.
+
+    For example an eviction policy choosing a snapshot that is still in use, a speculation
+    policy starting a branch beyond its budget or guessing a call it was not offered, or a
+    predictor giving a confidence outside 0 to 1. The message names the policy (its
+    ``module:class``) and what it did. It stops the run: a policy that breaks its contract
+    cannot be trusted with a training run (``bunshin check-policy`` finds these first).
     """

@@ -18,7 +18,6 @@ runs live or in the simulator's virtual time.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -27,11 +26,21 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from ._backend import Backend, CallContext, ToolResult, Workspace, WorkspaceMemory
-from ._exceptions import BackendError, ConfigError, ModelError
+from ._exceptions import BackendError, ConfigError, ModelError, PolicyError
 from ._memory import MemoryAccountant, MemoryStatistics
+from ._plugins import (
+    CacheabilityPolicy,
+    CacheableTools,
+    EvictionPolicy,
+    SpecContext,
+    SpeculationPolicy,
+    TailBenefitSpeculation,
+    policy_name,
+    predict_checked,
+)
 from ._policy import Finish, Observation, Policy, SampleView
-from ._selector import SpecToolSelector
-from ._trace import RolloutKey, Task, ToolCall, Trace, call_key
+from ._selector import Prediction, SpecToolSelector
+from ._trace import RolloutKey, Task, ToolCall, call_key
 from ._tree import Node, PrefixTree, Tier, TreeStatistics, open_prefix_tree
 
 __all__ = [
@@ -44,7 +53,6 @@ __all__ = [
     "StepTiming",
     "TrainingPlan",
     "plan_steps",
-    "caching_policy",
     "run_rollouts",
     "POLICIES",
 ]
@@ -89,7 +97,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spec_min_confidence: float = 0.3
     """Speculate only on a prediction at least this confident."""
     spec_rule: Literal["benefit", "confidence"] = "benefit"
-    """When a confident enough prediction runs. ``confidence``: whenever it reaches
+    """When a confident enough prediction runs (these ``spec_*`` fields are the parameters of
+    the default speculation policy, :class:`~bunshin_async.TailBenefitSpeculation`). ``confidence``: whenever it reaches
     ``spec_min_confidence``. ``benefit``: also only when its expected saving beats its
     expected cost, ``c * E > spec_waste_weight * (1 - c) * E + F``, where ``c`` is the
     prediction's confidence, ``E`` the mean execution time of that tool in this run so far
@@ -200,25 +209,6 @@ def plan_steps(planned: Sequence[tuple[RolloutKey, Task]], config: SchedulerConf
     return TrainingPlan(steps)
 
 
-def caching_policy(trace: Trace) -> Callable[[ToolCall], bool]:
-    """The caching policy a trace implies, per call: a call (name and arguments) is cacheable
-    when every recorded occurrence of it is marked cacheable. A call the trace never made is
-    cacheable when its tool was recorded and every recorded call of that tool was."""
-    by_call: dict[bytes, bool] = {}
-    by_tool: dict[str, bool] = {}
-    for r in trace.rollouts:
-        for s in r.steps:
-            k = call_key(s.call)
-            by_call[k] = by_call.get(k, True) and s.cacheable
-            by_tool[s.call.name] = by_tool.get(s.call.name, True) and s.cacheable
-
-    def cacheable(call: ToolCall) -> bool:
-        v = by_call.get(call_key(call))
-        return v if v is not None else by_tool.get(call.name, False)
-
-    return cacheable
-
-
 class StepRecord(msgspec.Struct, frozen=True):
     """How one call of a sample was served."""
 
@@ -283,6 +273,8 @@ class SpecStatistics(msgspec.Struct, frozen=True):
     hidden_exec_seconds: float
     """Tool execution time of adopted branches that overlapped the model's thinking (the
     part the sample did not wait for)."""
+    peak_active: int = 0
+    """The most branches that ran at once (never above ``spec_budget``)."""
 
 
 class StepTiming(msgspec.Struct, frozen=True):
@@ -412,6 +404,10 @@ class Scheduler:
         config: Scheduling options.
         selector: Predicts next calls for speculation (required when it is on).
         cacheable: Says which calls may be cached and speculated; by default none.
+        eviction: Chooses the snapshots that leave the prefix tree's tiers; by default
+            :class:`~bunshin_async.LRUEviction`.
+        speculation: Decides when and what to run ahead; by default
+            :class:`~bunshin_async.TailBenefitSpeculation` (parameters from *config*).
         plan: The training steps; by default :func:`plan_steps` over ``policy.planned()``.
         on_progress: Called with ``(finished, total)`` rollouts each time one ends.
     """
@@ -423,7 +419,9 @@ class Scheduler:
         config: SchedulerConfig,
         *,
         selector: SpecToolSelector | None = None,
-        cacheable: Callable[[ToolCall], bool] | None = None,
+        cacheable: CacheabilityPolicy | None = None,
+        eviction: EvictionPolicy | None = None,
+        speculation: SpeculationPolicy | None = None,
         plan: TrainingPlan | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -434,7 +432,17 @@ class Scheduler:
         self._policy = policy
         self._cfg = config
         self._selector = selector
-        self._cacheable = cacheable or (lambda call: False)
+        self._cacheability = cacheable if cacheable is not None else CacheableTools()
+        self._eviction = eviction
+        self._speculation = speculation if speculation is not None else TailBenefitSpeculation()
+        for name, obj, base in (
+            ("cacheable", cacheable, CacheabilityPolicy),
+            ("eviction", eviction, EvictionPolicy),
+            ("speculation", speculation, SpeculationPolicy),
+            ("selector", selector, SpecToolSelector),
+        ):
+            if obj is not None and not isinstance(obj, base):
+                raise ConfigError(f"{name}={obj!r} is not a {base.__name__} instance")
         self._plan = plan if plan is not None else plan_steps(policy.planned(), config)
         if not self._plan.steps:
             raise ConfigError("the plan has no rollouts to run")
@@ -448,7 +456,7 @@ class Scheduler:
         self._spec_active = 0
         self._exec_seen: dict[str, list[float]] = {}  # tool -> [total seconds, calls]
         self._fork_seen = [0.0, 0]  # speculative forks: total seconds, count
-        self._spec = dict(launched=0, hits=0, misses=0, errors=0, wasted=0.0, hidden=0.0)
+        self._spec = dict(launched=0, hits=0, misses=0, errors=0, wasted=0.0, hidden=0.0, peak=0)
         self._calls = 0
         self._cacheable_calls = 0
         self._prepared = 0
@@ -492,6 +500,7 @@ class Scheduler:
             hot_budget=cfg.hot_budget if cfg.caching else 0,
             cold_budget=cfg.cold_budget if cfg.caching else 0,
             on_change=self._sample_memory,
+            eviction=self._eviction,
         ) as tree:
             self._tree = tree
             async with anyio.create_task_group() as tg:
@@ -520,6 +529,7 @@ class Scheduler:
             spec=SpecStatistics(
                 launched=sp["launched"], hits=sp["hits"], misses=sp["misses"], errors=sp["errors"],
                 wasted_exec_seconds=sp["wasted"], hidden_exec_seconds=sp["hidden"],
+                peak_active=sp["peak"],
             ),
             cacheable_calls=self._cacheable_calls,
             prepared=self._prepared,
@@ -644,7 +654,7 @@ class Scheduler:
                 call = action
                 step = len(s.calls)
                 self._calls += 1
-                cacheable = self._cacheable(call)
+                cacheable = self._cacheability.cacheable(s.task, call)
                 self._cacheable_calls += cacheable
                 result: ToolResult | None = None
                 # 1. the prefix tree
@@ -759,48 +769,46 @@ class Scheduler:
         seen[0] += result.exec_time
         seen[1] += 1
 
-    def _expected_exec(self, name: str) -> float:
-        """Mean execution time of tool *name* so far; of all tools if it has not run yet;
-        ``spec_exec_prior`` before any call has run."""
-        seen = self._exec_seen.get(name)
-        if seen and seen[1]:
-            return seen[0] / seen[1]
-        total = sum(v[0] for v in self._exec_seen.values())
-        n = sum(v[1] for v in self._exec_seen.values())
-        return total / n if n else self._cfg.spec_exec_prior
-
-    def _worth_speculating(self, call: ToolCall, confidence: float) -> bool:
-        """The ``benefit`` rule: expected saving beats expected waste plus the fork."""
-        cfg = self._cfg
-        exec_time = self._expected_exec(call.name)
-        if cfg.spec_fork_cost is not None:
-            fork = cfg.spec_fork_cost
-        else:
-            fork = self._fork_seen[0] / self._fork_seen[1] if self._fork_seen[1] else 0.0
-        saving = confidence * exec_time
-        cost = cfg.spec_waste_weight * (1.0 - confidence) * exec_time + fork
-        return saving > cost
-
     def _maybe_speculate(self, tg: TaskGroup, s: _Sample, state: _StepState) -> None:
-        """While the model thinks, run the selector's top prediction in a fork when the sample
-        is in its step's tail, a branch slot is free, the prediction is cacheable, not in the
-        prefix tree, at least ``spec_min_confidence`` confident and, under the ``benefit``
-        rule, expected to save more than it wastes (see :class:`SchedulerConfig`)."""
+        """While the model thinks, ask the speculation policy whether to run one of the
+        selector's predictions in a fork; it is offered only predictions the cacheability
+        policy allows and the prefix tree does not answer already, and its answer is checked
+        against its contract (:class:`~bunshin_async.SpeculationPolicy`)."""
         cfg = self._cfg
-        if not cfg.speculation or self._selector is None or self._spec_active >= cfg.spec_budget:
+        if not cfg.speculation or self._selector is None:
             return
-        if state.unfinished > math.floor(cfg.spec_tail * state.size + 1e-9):
+        policy = self._speculation
+        k = max(1, policy.top_k)
+
+        def predict() -> list[Prediction]:
+            assert self._selector is not None
+            preds = predict_checked(self._selector, s.task.id, s.calls, k, s.obs)
+            return [
+                p for p in preds
+                if self._cacheability.cacheable(s.task, p.call)
+                and not (s.on_tree and call_key(p.call) in s.node.children)  # the tree answers it anyway
+            ]
+
+        ctx = SpecContext(
+            rollout=s.key, task=s.task, calls=tuple(s.calls), observations=tuple(s.obs),
+            predict=predict, step_size=state.size, unfinished=state.unfinished,
+            active=self._spec_active, budget=cfg.spec_budget, config=cfg,
+            exec_seen=self._exec_seen, fork_seen=self._fork_seen,
+        )
+        choice = policy.choose(ctx)
+        if choice is None:
             return
-        preds = self._selector.predict(s.task.id, s.calls, 1, observations=s.obs)
-        if not preds or preds[0].confidence < cfg.spec_min_confidence:
-            return
-        call = preds[0].call
-        if not self._cacheable(call):
-            return
-        if s.on_tree and call_key(call) in s.node.children:
-            return  # the tree answers it anyway
-        if cfg.spec_rule == "benefit" and not self._worth_speculating(call, preds[0].confidence):
-            return
+        if not ctx.offered(choice):
+            raise PolicyError(
+                f"speculation policy {policy_name(policy)} chose {choice!r}, which is not one of "
+                f"the prediction(s) it was offered for {s.key} step {len(s.calls)}"
+            )
+        if self._spec_active >= cfg.spec_budget:
+            raise PolicyError(
+                f"speculation policy {policy_name(policy)} started a branch for {s.key} step "
+                f"{len(s.calls)} while {self._spec_active} ran, over its budget of {cfg.spec_budget}"
+            )
+        call = choice.call
         source: Workspace | Node
         if s.ws is not None and (not s.on_tree or s.ws_node is s.node):
             source = s.ws
@@ -814,6 +822,7 @@ class Scheduler:
         s.branch = branch
         self._spec["launched"] += 1
         self._spec_active += 1
+        self._spec["peak"] = max(self._spec["peak"], self._spec_active)
         tg.start_soon(self._speculate, branch, source, s.key, len(s.calls))
 
     async def _speculate(self, branch: _Branch, source: Workspace | Node, key: RolloutKey, step: int) -> None:

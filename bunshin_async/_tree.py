@@ -19,6 +19,11 @@ the least recently used unpinned hot leaves are demoted to the cold tier (in the
 still charged until they are out of memory), and if the charge still does not fit the node is
 stored evicted. So the charged hot bytes never exceed the budget. The cold tier has a byte
 budget too; beyond it the least recently used cold leaves are dropped to evicted.
+
+Which snapshots leave a tier is the eviction policy's choice (:class:`~bunshin_async.EvictionPolicy`,
+least recently used by default); the tree checks each victim it is given is an evictable leaf
+of that tier (:class:`~bunshin_async.PolicyError` otherwise), so a policy can only choose, never
+break the tiers or the budgets.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from ._backend import Backend, CallContext, ColdSnapshot, ToolResult, Workspace
-from ._exceptions import BunshinError
+from ._exceptions import BunshinError, PolicyError
+from ._plugins import EvictionPolicy, LRUEviction, SnapshotInfo, policy_name
 from ._policy import Observation
 from ._trace import RolloutKey, Task, ToolCall, call_key
 
@@ -55,10 +61,14 @@ class Node:
     __slots__ = (
         "task", "parent", "call", "key", "children", "depth", "observation", "result",
         "tier", "snapshot", "cold", "charge", "charged", "pins", "hits", "last_used",
-        "demoted", "__weakref__",
+        "demoted", "id", "created", "__weakref__",
     )
 
-    def __init__(self, task: Task, parent: Node | None, call: ToolCall | None, result: ToolResult | None) -> None:
+    def __init__(
+        self, task: Task, parent: Node | None, call: ToolCall | None, result: ToolResult | None, id: int = 0
+    ) -> None:
+        self.id = id
+        self.created = 0
         self.task = task
         self.parent = parent
         self.call = call
@@ -115,6 +125,8 @@ class TreeStatistics(msgspec.Struct, frozen=True):
     """The hot tier's budget in bytes."""
     cold_bytes: int
     """Bytes stored in the cold tier now."""
+    cold_bytes_peak: int
+    """The most bytes the cold tier stored at once (never above the cold budget)."""
     cold_budget: int
     """The cold tier's budget in bytes."""
 
@@ -128,6 +140,7 @@ class PrefixTree:
         hot_budget: Bytes the hot tier may be charged.
         cold_budget: Bytes the cold tier may store.
         on_change: Called after every operation that may change memory.
+        eviction: Chooses the snapshots that leave a tier (:class:`LRUEviction` by default).
     """
 
     def __init__(
@@ -138,8 +151,11 @@ class PrefixTree:
         hot_budget: int,
         cold_budget: int,
         on_change: Callable[[], None] = lambda: None,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         self._backend = backend
+        self._eviction = eviction if eviction is not None else LRUEviction()
+        self._ids = itertools.count(1)
         self._tg = task_group
         self._hot_budget = hot_budget
         self._cold_budget = cold_budget
@@ -149,6 +165,7 @@ class PrefixTree:
         self._hot_used = 0
         self._hot_peak = 0
         self._cold_used = 0
+        self._cold_peak = 0
         self._n_nodes = 0
         self._lookups = self._hits = 0
         self._adm_hot = self._adm_evicted = 0
@@ -182,6 +199,7 @@ class PrefixTree:
             hot_bytes_peak=self._hot_peak,
             hot_budget=self._hot_budget,
             cold_bytes=self._cold_used,
+            cold_bytes_peak=self._cold_peak,
             cold_budget=self._cold_budget,
         )
 
@@ -194,6 +212,11 @@ class PrefixTree:
             child.hits += 1
             self._touch(child)
         return child
+
+    def _new_node(self, task: Task, parent: Node | None, call: ToolCall | None, result: ToolResult | None) -> Node:
+        n = Node(task, parent, call, result, next(self._ids))
+        n.created = next(self._clock)
+        return n
 
     def _touch(self, node: Node) -> None:
         t = next(self._clock)
@@ -213,7 +236,7 @@ class PrefixTree:
         async with lock:
             root = self._roots.get(task.id)
             if root is None:
-                root = Node(task, None, None, None)
+                root = self._new_node(task, None, None, None)
                 self._roots[task.id] = root
                 self._n_nodes += 1
             if root.tier is Tier.HOT:
@@ -286,7 +309,7 @@ class PrefixTree:
         existing = node.children.get(key)
         if existing is not None:
             return existing
-        child = Node(node.task, node, call, result)
+        child = self._new_node(node.task, node, call, result)
         if workspace is not None:
             child.charge = self._backend.snapshot_charge(workspace, result.dirtied_bytes)
         node.children[key] = child
@@ -424,11 +447,7 @@ class PrefixTree:
         if self._hot_used + need <= self._hot_budget:
             return True
         freeing = 0
-        victims = sorted(
-            (n for n in self.nodes() if self._evictable(n) and n is not exclude),
-            key=lambda n: n.last_used,
-        )
-        for v in victims:
+        for v in self._victims(Tier.HOT, (Tier.HOT, Tier.DEMOTING), need, exclude):
             if self._hot_used - freeing + need <= self._hot_budget:
                 break
             self._mark_demoting(v)
@@ -436,10 +455,43 @@ class PrefixTree:
             self._tg.start_soon(self._demote, v)
         return False
 
-    def _evictable(self, n: Node) -> bool:
-        if n.tier is not Tier.HOT or n.pins:
-            return False
-        return not any(c.tier in (Tier.HOT, Tier.DEMOTING) for c in n.children.values())
+    def _victims(self, tier: Tier, here: tuple[Tier, ...], need: int, exclude: Node | None) -> Iterator[Node]:
+        """Ask the eviction policy for the victims among the nodes of *tier* (a child in one
+        of the tiers *here* keeps its parent in place) and check each as it is taken."""
+        nodes: dict[int, Node] = {}
+        infos: list[SnapshotInfo] = []
+        for n in self.nodes():
+            if n.tier is not tier or n is exclude:
+                continue
+            kids = sum(c.tier in here for c in n.children.values())
+            in_use = n.pins > 0
+            held = n.charge if tier is Tier.HOT else (n.cold.stored_bytes if n.cold is not None else 0)
+            nodes[n.id] = n
+            infos.append(SnapshotInfo(
+                id=n.id, task=n.task.id, depth=n.depth, call=n.call, tier=tier.value,  # type: ignore[arg-type]
+                bytes=held, hits=n.hits, last_used=n.last_used, created=n.created,
+                in_use=in_use, children_here=kids, evictable=not in_use and kids == 0,
+            ))
+        if not infos:
+            return
+        taken: set[int] = set()
+        who = policy_name(self._eviction)
+        for info in self._eviction.victims(infos, need):
+            node = nodes.get(info.id) if isinstance(info, SnapshotInfo) else None
+            if node is None:
+                raise PolicyError(
+                    f"eviction policy {who} chose {info!r}, which is not one of the {tier.value} snapshots it was offered"
+                )
+            if info.id in taken:
+                raise PolicyError(f"eviction policy {who} chose {node!r} twice")
+            if not info.evictable:
+                why = "in use (pinned by a running group or a fork)" if info.in_use else f"the parent of {info.children_here} snapshot(s) at least as hot"
+                raise PolicyError(
+                    f"eviction policy {who} chose {node!r}, which is {why}: only snapshots marked "
+                    "evictable may leave their tier"
+                )
+            taken.add(info.id)
+            yield node
 
     async def _demote_subtree(self, node: Node) -> None:
         """Demote *node* (already marked demoting) after its hot descendants."""
@@ -453,48 +505,53 @@ class PrefixTree:
 
     async def _demote(self, node: Node) -> None:
         with anyio.CancelScope(shield=True):
-            snap = node.snapshot
-            assert snap is not None
-            parent = node.parent
-            keep_cold = (
-                not self._closed
-                and (parent is None or parent.tier in (Tier.HOT, Tier.COLD, Tier.DEMOTING))
-                and self._cold_room(node.charge)
-            )
-            if keep_cold:
-                base = None if parent is None else (parent.snapshot or parent.cold)
-                cold = await self._backend.demote(snap, base)
-                node.cold = cold
-                self._cold_used += cold.stored_bytes
-                node.tier = Tier.COLD
-                self._demotions += 1
-            else:
+            try:
+                await self._demote_now(node)
+            finally:
+                # also when the backend or the eviction policy failed midway: nobody may wait
+                # for this node forever (the run is failing; aclose() releases what it holds)
+                if node.demoted is not None:
+                    node.demoted.set()
+                    node.demoted = None
+
+    async def _demote_now(self, node: Node) -> None:
+        snap = node.snapshot
+        assert snap is not None
+        parent = node.parent
+        keep_cold = (
+            not self._closed
+            and (parent is None or parent.tier in (Tier.HOT, Tier.COLD, Tier.DEMOTING))
+            and self._cold_room(node.charge)
+        )
+        cold: ColdSnapshot | None = None
+        if keep_cold:
+            base = None if parent is None else (parent.snapshot or parent.cold)
+            cold = await self._backend.demote(snap, base)  # consumes the snapshot
+            # the charge was an estimate: admit the delta for what it really stores
+            if not self._cold_room(cold.stored_bytes):
+                await self._backend.release(cold)
+                cold = None
+        if cold is not None:
+            node.cold = cold
+            self._cold_used += cold.stored_bytes
+            self._cold_peak = max(self._cold_peak, self._cold_used)
+            node.tier = Tier.COLD
+            self._demotions += 1
+        else:
+            if not keep_cold:
                 await self._backend.release(snap)
-                node.tier = Tier.EVICTED
-                await self._drop_cold_below(node)
-            node.snapshot = None
-            self._uncharge(node)
-            self._on_change()
-            if node.demoted is not None:
-                node.demoted.set()
-                node.demoted = None
+            node.tier = Tier.EVICTED
+            await self._drop_cold_below(node)
+        node.snapshot = None
+        self._uncharge(node)
+        self._on_change()
 
     def _cold_room(self, need: int) -> bool:
         if need > self._cold_budget:
             return False
         if self._cold_used + need <= self._cold_budget:
             return True
-        victims = sorted(
-            (
-                n
-                for n in self.nodes()
-                if n.tier is Tier.COLD
-                and not n.pins
-                and all(c.tier is Tier.EVICTED for c in n.children.values())
-            ),
-            key=lambda n: n.last_used,
-        )
-        for v in victims:
+        for v in self._victims(Tier.COLD, (Tier.HOT, Tier.DEMOTING, Tier.COLD), need, None):
             if self._cold_used + need <= self._cold_budget:
                 break
             assert v.cold is not None
@@ -553,10 +610,13 @@ async def open_prefix_tree(
     hot_budget: int,
     cold_budget: int,
     on_change: Callable[[], None] = lambda: None,
+    eviction: EvictionPolicy | None = None,
 ) -> AsyncIterator[PrefixTree]:
     """Open a :class:`PrefixTree`; on exit every snapshot it holds is released."""
     async with anyio.create_task_group() as tg:
-        tree = PrefixTree(backend, tg, hot_budget=hot_budget, cold_budget=cold_budget, on_change=on_change)
+        tree = PrefixTree(
+            backend, tg, hot_budget=hot_budget, cold_budget=cold_budget, on_change=on_change, eviction=eviction
+        )
         try:
             yield tree
         finally:

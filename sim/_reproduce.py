@@ -26,7 +26,8 @@ import numpy as np
 
 from bunshin_async._exceptions import ConfigError
 from bunshin_async._policy import TracePolicy
-from bunshin_async._scheduler import RunResult, SchedulerConfig, caching_policy, run_rollouts
+from bunshin_async._plugins import RecordedCacheability
+from bunshin_async._scheduler import RunResult, SchedulerConfig, run_rollouts
 from bunshin_async._selector import HistorySelector, Prediction, SpecToolSelector
 from bunshin_async._trace import ToolCall, Trace, call_key
 
@@ -239,7 +240,7 @@ def run_calibrated(
     sel = (selector or HistorySelector()) if config.speculation else None
 
     async def main() -> RunResult:
-        result = await run_rollouts(backend, pol, config, selector=sel, cacheable=caching_policy(trace))
+        result = await run_rollouts(backend, pol, config, selector=sel, cacheable=RecordedCacheability(trace))
         await backend.aclose()
         return result
 

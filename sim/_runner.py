@@ -12,8 +12,9 @@ scheduler also runs under trio, which the tests use to check it does not depend 
 from __future__ import annotations
 
 import asyncio
+import math
 import selectors
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -21,9 +22,10 @@ import msgspec
 
 from bunshin_async._exceptions import ConfigError
 from bunshin_async._policy import TracePolicy
-from bunshin_async._scheduler import RunResult, Scheduler, SchedulerConfig, caching_policy
+from bunshin_async._plugins import CacheabilityPolicy, EvictionPolicy, RecordedCacheability, SpeculationPolicy
+from bunshin_async._scheduler import RunResult, Scheduler, SchedulerConfig
 from bunshin_async._selector import HistorySelector, SpecToolSelector
-from bunshin_async._trace import Trace
+from bunshin_async._trace import RolloutKey, Trace
 
 from ._backend import SimBackend, ToolModel
 
@@ -77,8 +79,16 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return self._virtual_now
 
     def advance(self, seconds: float) -> None:
-        """Move the clock forward by *seconds*."""
-        self._virtual_now += seconds
+        """Move the clock forward by *seconds*.
+
+        Past about 10**7 virtual seconds a float's spacing exceeds asyncio's clock resolution,
+        so a timer landed on exactly would never count as due (``when < now + resolution``
+        fails) and the loop would spin; the clock then moves one step further instead.
+        """
+        now = self._virtual_now + seconds
+        if seconds > 0 and now + self._clock_resolution == now:
+            now = math.nextafter(now, math.inf)
+        self._virtual_now = now
 
 
 def run_virtual(fn: Callable[[], Awaitable[T]]) -> T:
@@ -94,9 +104,31 @@ class Simulation(msgspec.Struct, frozen=True):
     backend: SimBackend
     """The simulated backend (its ``live_handles`` and ``statistics`` after the run)."""
 
+    cancels: tuple[tuple[float, int], ...] = ()
+    """``(t, i)``: cancel rollout number ``i`` of the plan (modulo the number of rollouts,
+    counted over the steps in plan order) at virtual time ``t``."""
+
+    def plan_keys(self) -> list[RolloutKey]:
+        """The rollouts of the plan, in plan order (what :attr:`cancels` counts)."""
+        return [k for step in self.scheduler.plan.steps for g in step for k, _ in g]
+
     async def run(self) -> RunResult:
-        """Run every rollout, then close the backend; call inside :func:`run_virtual`."""
-        result = await self.scheduler.run()
+        """Run every rollout (cancelling those of :attr:`cancels`), then close the backend;
+        call inside :func:`run_virtual`."""
+        if not self.cancels:
+            result = await self.scheduler.run()
+        else:
+            keys = self.plan_keys()
+
+            async def canceller() -> None:
+                for t, i in sorted(self.cancels):
+                    await anyio.sleep_until(t)
+                    self.scheduler.cancel(keys[i % len(keys)])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(canceller)
+                result = await self.scheduler.run()
+                tg.cancel_scope.cancel()
         await self.backend.aclose()
         return result
 
@@ -111,7 +143,11 @@ def build_simulation(
     page_size: int = 1 << 20,
     check: bool = True,
     selector: SpecToolSelector | None = None,
+    cacheability: CacheabilityPolicy | None = None,
+    eviction: EvictionPolicy | None = None,
+    speculation: SpeculationPolicy | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    cancels: Sequence[tuple[float, int]] = (),
     **overrides: Any,
 ) -> Simulation:
     """Wire a replay of *trace*: a :class:`SimBackend`, a :class:`TracePolicy` and a
@@ -127,7 +163,13 @@ def build_simulation(
         check: Check every observation against the recording (semantic transparency).
         selector: The Spec Tool Selector; by default a :class:`HistorySelector` that starts
             empty, when speculation is on.
+        cacheability: Which calls may be cached; by default the trace's marks
+            (:class:`~bunshin_async.RecordedCacheability`). It is fitted to *trace* first.
+        eviction: Which snapshots leave the prefix tree's tiers (LRU by default).
+        speculation: When and what to run ahead (the config's tail-benefit rule by default).
         on_progress: Called with ``(finished, total)`` rollouts as they end.
+        cancels: ``(t, i)`` pairs: cancel rollout number ``i`` of the plan at virtual time
+            ``t`` (see :attr:`Simulation.cancels`).
         **overrides: :class:`SchedulerConfig` fields to change from the preset.
 
     Raises:
@@ -144,15 +186,23 @@ def build_simulation(
         # starts empty and learns from rollouts as they finish (earlier epochs, earlier
         # samples), never from the trajectory it predicts
         selector = HistorySelector()
+    if cacheability is None:
+        cacheability = RecordedCacheability()
+    cacheability.fit(trace)
     scheduler = Scheduler(
         backend,
         TracePolicy(trace, check=check),
         config,
         selector=selector,
-        cacheable=caching_policy(trace),
+        cacheable=cacheability,
+        eviction=eviction,
+        speculation=speculation,
         on_progress=on_progress,
     )
-    return Simulation(scheduler, backend)
+    for t, i in cancels:
+        if t < 0 or i < 0:
+            raise ConfigError(f"cancel ({t}, {i}) is invalid; expected a time >= 0 and a rollout number >= 0")
+    return Simulation(scheduler, backend, tuple((float(t), int(i)) for t, i in cancels))
 
 
 def simulate(trace: Trace, **options: Any) -> RunResult:

@@ -30,6 +30,7 @@ pytestmark = [
 ]
 
 from bunshin_async import (  # noqa: E402
+    CacheableTools,
     CallContext,
     HistorySelector,
     MemoryProfile,
@@ -172,7 +173,7 @@ def test_scheduler_end_to_end_is_transparent(state, tmp_path, request_cleanup) -
                 sched = Scheduler(
                     b, TracePolicy(trace, check=False), config,
                     selector=HistorySelector() if config.speculation else None,
-                    cacheable=lambda c: sp.tools[c.name].cacheable,
+                    cacheable=CacheableTools(n for n, t in sp.tools.items() if t.cacheable),
                 )
                 result = await sched.run()
                 return result, live_trace(trace, result, b), b.live_handles()

@@ -16,6 +16,7 @@ import pytest
 import trio.testing
 
 from bunshin_async import (
+    RecordedCacheability,
     ConfigError,
     HistorySelector,
     MemoryAccountant,
@@ -30,7 +31,6 @@ from bunshin_async import (
     ToolCall,
     Trace,
     TracePolicy,
-    caching_policy,
     observation_digest,
     plan_steps,
 )
@@ -50,6 +50,9 @@ SLACK = 0.05
 
 def make_task(tid: str = "t", boot: float = 0.0) -> Task:
     return Task(id=tid, memory=MemoryProfile(image_bytes=0, runtime_bytes=RUNTIME, boot_time=boot))
+
+
+TASK_T = make_task("t")
 
 
 def call(name: str, **args: Any) -> ToolCall:
@@ -671,10 +674,10 @@ def test_plan_of_the_scheduler_follows_the_policy() -> None:
     assert [[g[0][0].task for g in s] for s in sched.plan.steps] == [["t0", "t1", "t2"], ["t3"]]
 
 
-# -- 10. caching_policy ------------------------------------------------------------------------
+# -- 10. RecordedCacheability ---------------------------------------------------------------------
 
 
-def test_caching_policy_is_per_call() -> None:
+def test_recorded_cacheability_is_per_call() -> None:
     ls, rm = call("shell", cmd="ls"), call("shell", cmd="rm -rf /tmp/x")
     trace = make_trace(
         [make_task("t")],
@@ -685,7 +688,11 @@ def test_caching_policy_is_per_call() -> None:
             rollout("t", [step(call("click", x=1), 1, 1)], sample=2),
         ],
     )
-    cacheable = caching_policy(trace)
+    policy = RecordedCacheability(trace)
+
+    def cacheable(c: ToolCall) -> bool:
+        return policy.cacheable(TASK_T, c)
+
     assert cacheable(ls) is True
     assert cacheable(rm) is False
     # a new call of "shell": not every recorded shell call was cacheable
@@ -697,11 +704,15 @@ def test_caching_policy_is_per_call() -> None:
     assert cacheable(call("browser", url="x")) is False
     # arguments are compared canonically (key order does not matter)
     two = make_trace([make_task("t")], [rollout("t", [step(call("f", a=1, b=2), 1, 1, cacheable=False)])])
-    assert caching_policy(two)(ToolCall(name="f", arguments={"b": 2, "a": 1})) is False
+    assert RecordedCacheability(two).cacheable(TASK_T, ToolCall(name="f", arguments={"b": 2, "a": 1})) is False
 
 
-def test_caching_policy_of_a_fully_cacheable_tool() -> None:
-    cacheable = caching_policy(CACHE_TRACE)
+def test_recorded_cacheability_of_a_fully_cacheable_tool() -> None:
+    policy = RecordedCacheability(CACHE_TRACE)
+
+    def cacheable(c: ToolCall) -> bool:
+        return policy.cacheable(TASK_T, c)
+
     assert cacheable(A) is True
     assert cacheable(call("shell", cmd="never recorded")) is True
     assert cacheable(call("clock")) is False
@@ -856,7 +867,7 @@ def test_scheduler_runs_under_trio() -> None:
         "full", batch_tasks=1, spec_tail=1.0, spec_min_confidence=0.0, hot_budget=8 * MiB
     )
     sched = Scheduler(
-        backend, TracePolicy(trace), config, selector=HistorySelector(), cacheable=caching_policy(trace)
+        backend, TracePolicy(trace), config, selector=HistorySelector(), cacheable=RecordedCacheability(trace)
     )
 
     async def main() -> RunResult:
@@ -916,7 +927,7 @@ def test_a_backend_failure_fails_only_its_rollout() -> None:
         [rollout("t", [step(A, 1.0, 1.0), step(X, 1.0, 1.0), step(Y, 1.0, 1.0)], sample=i) for i in range(3)],
     )
     backend = Failing("bunshin", ToolModel(trace))
-    sched = Scheduler(backend, TracePolicy(trace), SchedulerConfig.preset("base"), cacheable=caching_policy(trace))
+    sched = Scheduler(backend, TracePolicy(trace), SchedulerConfig.preset("base"), cacheable=RecordedCacheability(trace))
 
     async def main():
         return await sched.run()
