@@ -275,3 +275,46 @@ def bunshin_fork(
             reopening a file fails with; the message names
             ``ioctl BUNSHIN_IOC_FORK``.
     """
+
+BUNSHIN_TREE_MAX: Final[int]
+"""The most processes one :func:`bunshin_fork_tree` call may fork."""
+
+def bunshin_fork_tree(fd: int, source_pids: Sequence[int], target_pidfd: int, cgroup_fd: int) -> list[int]:
+    """``BUNSHIN_IOC_FORK_TREE`` on ``fd``, an open ``/dev/bunshin``; the GIL is released.
+
+    Forks a whole frozen process tree into a sibling container. ``source_pids``
+    are pids in the caller's pid namespace, each one's parent before it (the
+    first is the root of the tree); all must be single-threaded, in the root's
+    pid namespace and frozen with the cgroup v2 freezer. The clones get the
+    mount, network, UTS, IPC, cgroup and time namespaces, root and working
+    directory of the process ``target_pidfd`` refers to, and the pid namespace
+    its children get: if that is its own, the root clone is a child of its
+    init; if it is a new, empty one, the root clone becomes its init (pid 1), a
+    child of the target. Every clone is born in the cgroup v2 directory
+    ``cgroup_fd`` (frozen if it is), keeps its source's pid where that is free
+    in the target, is a child of the clone of its source's parent, in the
+    clones' session and process group, without a controlling tty; it shares
+    its source's memory copy-on-write and resumes where it was frozen. Regular
+    files, directories and memory devices are reopened in the target's root;
+    pipes and unix socket pairs with every end in the tree are made again,
+    FIFOs reopened at their path in the target, all with their buffered bytes.
+    Nothing runs before every clone is made; on an error none is left.
+
+    Returns:
+        The clones' pids in the caller's pid namespace, in the order of
+        ``source_pids``.
+
+    Raises:
+        ValueError: ``source_pids`` is empty, longer than
+            :data:`BUNSHIN_TREE_MAX` or holds a value that is not a pid.
+        ProcessLookupError: No such source or target, or it exited (``ESRCH``).
+        PermissionError: The caller lacks ``CAP_SYS_ADMIN`` (``EPERM``), or a
+            source's credentials may not move a task into ``cgroup_fd``
+            (``EACCES``).
+        OSError: ``EBUSY`` (a source is not frozen), ``EINVAL`` (a
+            multi-threaded source, a parent not named before its child, an fd
+            that is not carried over, a pipe or socket with an end outside the
+            tree: the kernel log names the process, fd and kind), ``EBADF``,
+            ``ETIMEDOUT``, ``EOPNOTSUPP``; the message names
+            ``ioctl BUNSHIN_IOC_FORK_TREE``.
+    """

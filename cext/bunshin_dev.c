@@ -1,5 +1,5 @@
-/* bunshin_dev.c: the ioctls of /dev/bunshin (kmod/): bunshin_version and
- * bunshin_fork, and the BUNSHIN_FORK_* flags. The structures come from the module's uapi header, the one
+/* bunshin_dev.c: the ioctls of /dev/bunshin (kmod/): bunshin_version,
+ * bunshin_fork and bunshin_fork_tree, and the BUNSHIN_FORK_* flags. The structures come from the module's uapi header, the one
  * contract between the two. */
 #include "bunshin_c.h"
 
@@ -39,7 +39,8 @@ bunshin_dev_exec(PyObject *module)
         PyModule_AddIntConstant(module, "BUNSHIN_FORK_SETSID", BUNSHIN_FORK_SETSID) < 0 ||
         PyModule_AddIntConstant(module, "BUNSHIN_FORK_JOIN_GROUP", BUNSHIN_FORK_JOIN_GROUP) < 0 ||
         PyModule_AddIntConstant(module, "BUNSHIN_FORK_REOPEN_FILES",
-                                BUNSHIN_FORK_REOPEN_FILES) < 0)
+                                BUNSHIN_FORK_REOPEN_FILES) < 0 ||
+        PyModule_AddIntConstant(module, "BUNSHIN_TREE_MAX", BUNSHIN_TREE_MAX) < 0)
         return -1;
     return 0;
 }
@@ -147,5 +148,84 @@ bunshin_bunshin_fork(PyObject *module, PyObject *args, PyObject *kwargs)
         goto error;
     return PyLong_FromLong(req.child_pid);
 error:
+    return NULL;
+}
+
+const char bunshin_bunshin_fork_tree_doc[] =
+    "bunshin_fork_tree(fd, source_pids, target_pidfd, cgroup_fd)\n--\n\n"
+    "BUNSHIN_IOC_FORK_TREE on fd (an open /dev/bunshin): fork the frozen,\n"
+    "single-threaded processes source_pids (a sequence of pids, each one's\n"
+    "parent before it) into the namespaces, root and cwd of the process\n"
+    "target_pidfd refers to, each clone born in the cgroup v2 directory\n"
+    "cgroup_fd, the tree keeping its shape, pids, sessions, process groups,\n"
+    "pipes and socket pairs. Return the clones' pids (in the caller's pid\n"
+    "namespace) as a list, in the order of source_pids.";
+
+PyObject *
+bunshin_bunshin_fork_tree(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"fd", "source_pids", "target_pidfd", "cgroup_fd", NULL};
+    struct bunshin_tree_req req;
+    PyObject *seq = NULL, *pids = NULL, *result = NULL, *item;
+    int32_t *source = NULL, *child = NULL;
+    int fd, target_pidfd, cgroup_fd;
+    Py_ssize_t n, i;
+    long v;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOii:bunshin_fork_tree", kwlist, &fd, &pids,
+                                     &target_pidfd, &cgroup_fd))
+        goto error;
+    seq = PySequence_Fast(pids, "source_pids must be a sequence of pids");
+    if (seq == NULL)
+        goto error;
+    n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > BUNSHIN_TREE_MAX) {
+        PyErr_Format(PyExc_ValueError, "source_pids must hold 1 to %d pids, not %zd",
+                     BUNSHIN_TREE_MAX, n);
+        goto error;
+    }
+    source = PyMem_Calloc((size_t)n, sizeof(*source));
+    child = PyMem_Calloc((size_t)n, sizeof(*child));
+    if (source == NULL || child == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (i = 0; i < n; i++) {
+        v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred())
+            goto error;
+        if (v <= 0 || v > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "source_pids[%zd] is not a pid: %ld", i, v);
+            goto error;
+        }
+        source[i] = (int32_t)v;
+    }
+    memset(&req, 0, sizeof(req));
+    req.count = (__u32)n;
+    req.source_pids = (__u64)(uintptr_t)source;
+    req.child_pids = (__u64)(uintptr_t)child;
+    req.target_pidfd = target_pidfd;
+    req.cgroup_fd = cgroup_fd;
+    /* As for bunshin_fork: EINTR only after the module undid everything. */
+    if (bunshin_dev_ioctl(fd, BUNSHIN_IOC_FORK_TREE, &req, "ioctl BUNSHIN_IOC_FORK_TREE") < 0)
+        goto error;
+    result = PyList_New(n);
+    if (result == NULL)
+        goto error;
+    for (i = 0; i < n; i++) {
+        item = PyLong_FromLong(child[i]);
+        if (item == NULL)
+            goto error;
+        PyList_SET_ITEM(result, i, item);
+    }
+    PyMem_Free(child);
+    PyMem_Free(source);
+    Py_DECREF(seq);
+    return result;
+error:
+    Py_XDECREF(result);
+    PyMem_Free(child);
+    PyMem_Free(source);
+    Py_XDECREF(seq);
     return NULL;
 }

@@ -16,6 +16,7 @@
 /* bunshin_dev.c: the /dev/bunshin ioctls. */
 BUNSHIN_DECLARE(bunshin_version);
 BUNSHIN_DECLARE(bunshin_fork);
+BUNSHIN_DECLARE(bunshin_fork_tree);
 int bunshin_dev_exec(PyObject *module);
 
 #define METHOD(name) \
@@ -35,6 +36,7 @@ static PyMethodDef bunshin_methods[] = {
     METHOD(scan_pages),
     METHOD(bunshin_version),
     METHOD(bunshin_fork),
+    METHOD(bunshin_fork_tree),
     {NULL, NULL, 0, NULL},
 };
 

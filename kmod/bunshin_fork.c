@@ -133,7 +133,7 @@ static void bunshin_fork_work_put(struct bunshin_fork_work *w)
  * mode before it is. A merely stopped task (which also counts as "frozen" for
  * the freezer's bookkeeping) is not enough.
  */
-static bool bunshin_cgroup_frozen(struct task_struct *task)
+bool bunshin_cgroup_frozen(struct task_struct *task)
 {
 	bool frozen;
 
@@ -144,8 +144,8 @@ static bool bunshin_cgroup_frozen(struct task_struct *task)
 }
 
 /* Make path the child's root and cwd; consumes the references given. */
-static void bunshin_set_child_fs(struct task_struct *p, struct path *root,
-				 struct path *pwd)
+void bunshin_set_child_fs(struct task_struct *p, struct path *root,
+			  struct path *pwd)
 {
 	struct fs_struct *fs = p->fs;
 	struct path old_root, old_pwd;
@@ -162,6 +162,55 @@ static void bunshin_set_child_fs(struct task_struct *p, struct path *root,
 	path_put(&old_pwd);
 }
 
+/* Leave the frozen state for a fork (see the comment at the top). */
+void bunshin_leave_frozen(void)
+{
+	if (current->frozen)
+		bunshin_ksyms.cgroup_leave_frozen(true);
+	spin_lock_irq(&current->sighand->siglock);
+	current->jobctl &= ~JOBCTL_TRAP_FREEZE;
+	spin_unlock_irq(&current->sighand->siglock);
+}
+
+/* Freeze again (get_signal() does) unless the cgroup thawed since. */
+void bunshin_refreeze(void)
+{
+	spin_lock_irq(&current->sighand->siglock);
+	rcu_read_lock();
+	if (test_bit(CGRP_FREEZE, &task_dfl_cgroup(current)->flags)) {
+		current->jobctl |= JOBCTL_TRAP_FREEZE;
+		set_thread_flag(TIF_SIGPENDING);
+	}
+	rcu_read_unlock();
+	spin_unlock_irq(&current->sighand->siglock);
+}
+
+/*
+ * Make the new child p of current resume where current is: same registers,
+ * and the signal path first (freeze, then restart a system call).
+ */
+void bunshin_child_resume_here(struct task_struct *p)
+{
+#ifdef CONFIG_X86_64
+	task_pt_regs(p)->ax = task_pt_regs(current)->ax;
+#endif
+	/*
+	 * TIF_SIGPENDING alone is not enough: the child's first
+	 * schedule_tail() recalculates it (calculate_sigpending()) and clears
+	 * it unless JOBCTL_TRAP_FREEZE is still set, so a cgroup thawed
+	 * before the child first runs would let it return an -ERESTART* code
+	 * to user mode. TIF_NOTIFY_SIGNAL survives that and still leads
+	 * through arch_do_signal_or_restart().
+	 */
+	set_tsk_thread_flag(p, TIF_SIGPENDING);
+	set_tsk_thread_flag(p, TIF_NOTIFY_SIGNAL);
+	if (bunshin_ksyms.lru_gen_add_mm) {
+		task_lock(p);
+		bunshin_ksyms.lru_gen_add_mm(p->mm);
+		task_unlock(p);
+	}
+}
+
 /* --- the child's fd table (BUNSHIN_FORK_CGROUP, BUNSHIN_FORK_REOPEN_FILES) */
 
 /* Open flags a reopened file keeps; O_CLOEXEC is the fd's and kept too. */
@@ -170,7 +219,7 @@ static void bunshin_set_child_fs(struct task_struct *p, struct path *root,
 				 O_DIRECTORY | O_NOFOLLOW | O_NOATIME | O_PATH)
 
 /* Make files current's table; returns the one it replaces. */
-static struct files_struct *bunshin_swap_files(struct files_struct *files)
+struct files_struct *bunshin_swap_files(struct files_struct *files)
 {
 	struct files_struct *old;
 
@@ -181,16 +230,16 @@ static struct files_struct *bunshin_swap_files(struct files_struct *files)
 	return old;
 }
 
-/* A private copy of current's fd table, or an ERR_PTR. */
-static struct files_struct *bunshin_dup_files(void)
+/* A private copy of the fd table oldf, or an ERR_PTR. */
+struct files_struct *bunshin_dup_files(struct files_struct *oldf)
 {
 	struct files_struct *files;
 	int err = -ENOMEM;
 
 #ifdef BUNSHIN_DUP_FD_RANGE
-	files = bunshin_ksyms.dup_fd(current->files, NULL);
+	files = bunshin_ksyms.dup_fd(oldf, NULL);
 #else
-	files = bunshin_ksyms.dup_fd(current->files, ~0U, &err);	/* all */
+	files = bunshin_ksyms.dup_fd(oldf, ~0U, &err);	/* all */
 #endif
 	if (!files)
 		return ERR_PTR(err);
@@ -204,8 +253,8 @@ static void bunshin_restore_files(struct files_struct *own)
 }
 
 /* The next open file at or after *fd in files, a reference, or NULL. */
-static struct file *bunshin_next_file(struct files_struct *files,
-				      unsigned int *fd, bool *cloexec)
+struct file *bunshin_next_file(struct files_struct *files, unsigned int *fd,
+			       bool *cloexec)
 {
 	struct file *file = NULL;
 	struct fdtable *fdt;
@@ -241,8 +290,8 @@ static bool bunshin_reopenable_chrdev(dev_t rdev)
  * What kind of file this is, for the kernel log (buf may hold the answer);
  * *ok says whether BUNSHIN_FORK_REOPEN_FILES reopens that kind.
  */
-static const char *bunshin_file_kind(struct file *file, char *buf, size_t len,
-				     bool *ok)
+const char *bunshin_file_kind(struct file *file, char *buf, size_t len,
+			      bool *ok)
 {
 	struct inode *inode = file_inode(file);
 	bool unlinked = d_unlinked(file->f_path.dentry);
@@ -280,10 +329,9 @@ static const char *bunshin_file_kind(struct file *file, char *buf, size_t len,
  * root): same flags, same offset, same kind of file. A reference, or an
  * ERR_PTR; name is set to the path when there is one.
  */
-static struct file *bunshin_reopen(struct file *old,
-				   const struct path *src_root,
-				   const struct path *dst_root,
-				   char *buf, const char **name)
+struct file *bunshin_reopen(struct file *old, const struct path *src_root,
+			    const struct path *dst_root, char *buf,
+			    const char **name)
 {
 	struct inode *inode = file_inode(old), *now;
 	struct file *file;
@@ -463,7 +511,7 @@ static int bunshin_fork_here(struct bunshin_fork_work *w)
 
 	/* The child's fd table: a private copy, current's while it is made. */
 	if (w->flags & (BUNSHIN_FORK_CGROUP | BUNSHIN_FORK_REOPEN_FILES)) {
-		files = bunshin_dup_files();
+		files = bunshin_dup_files(current->files);
 		if (IS_ERR(files)) {
 			err = PTR_ERR(files);
 			files = NULL;
@@ -503,12 +551,7 @@ static int bunshin_fork_here(struct bunshin_fork_work *w)
 	get_nsproxy(new_ns);
 	task_unlock(target);
 
-	/* Not frozen while forking: see the comment at the top. */
-	if (current->frozen)
-		k->cgroup_leave_frozen(true);
-	spin_lock_irq(&current->sighand->siglock);
-	current->jobctl &= ~JOBCTL_TRAP_FREEZE;
-	spin_unlock_irq(&current->sighand->siglock);
+	bunshin_leave_frozen();
 
 	old_ns = current->nsproxy;
 	get_nsproxy(old_ns);
@@ -516,15 +559,7 @@ static int bunshin_fork_here(struct bunshin_fork_work *w)
 	p = k->copy_process(NULL, 0, NUMA_NO_NODE, &args);
 	k->switch_task_namespaces(current, old_ns);	/* takes our old_ns ref */
 
-	/* Freeze again (get_signal() does) unless the cgroup thawed since. */
-	spin_lock_irq(&current->sighand->siglock);
-	rcu_read_lock();
-	if (test_bit(CGRP_FREEZE, &task_dfl_cgroup(current)->flags)) {
-		current->jobctl |= JOBCTL_TRAP_FREEZE;
-		set_thread_flag(TIF_SIGPENDING);
-	}
-	rcu_read_unlock();
-	spin_unlock_irq(&current->sighand->siglock);
+	bunshin_refreeze();
 
 	if (files) {
 		/* The child shares the copy: the cgroup's fd leaves it. */
@@ -545,25 +580,7 @@ static int bunshin_fork_here(struct bunshin_fork_work *w)
 	}
 
 	bunshin_set_child_fs(p, &root, &pwd);
-#ifdef CONFIG_X86_64
-	task_pt_regs(p)->ax = task_pt_regs(current)->ax;
-#endif
-	/*
-	 * Take the signal path first: freeze, then restart a system call.
-	 * TIF_SIGPENDING alone is not enough: the child's first
-	 * schedule_tail() recalculates it (calculate_sigpending()) and clears
-	 * it unless JOBCTL_TRAP_FREEZE is still set, so a cgroup thawed
-	 * before the child first runs would let it return an -ERESTART* code
-	 * to user mode. TIF_NOTIFY_SIGNAL survives that and still leads
-	 * through arch_do_signal_or_restart().
-	 */
-	set_tsk_thread_flag(p, TIF_SIGPENDING);
-	set_tsk_thread_flag(p, TIF_NOTIFY_SIGNAL);
-	if (k->lru_gen_add_mm) {
-		task_lock(p);
-		k->lru_gen_add_mm(p->mm);
-		task_unlock(p);
-	}
+	bunshin_child_resume_here(p);
 
 	err = bunshin_adopt(w, p, &tty);
 	if (err)	/* the target's init or the group is gone */
@@ -670,7 +687,7 @@ static int bunshin_fork_target(int pidfd, struct task_struct **target,
 }
 
 /* The cgroup v2 directory cgroup_fd names: a reference to its file. */
-static struct file *bunshin_fork_cgroup(int fd)
+struct file *bunshin_fork_cgroup(int fd)
 {
 	struct cgroup *cgrp;
 	struct file *file;

@@ -58,6 +58,11 @@ struct bunshin_ksyms {
 	void (*change_pid)(struct task_struct *task, enum pid_type type,
 			   struct pid *pid);
 	bool cgroup_ready, session_ready, files_ready;
+	/* BUNSHIN_IOC_FORK_TREE: tree_ready says it and the above all work. */
+	int (*create_pipe_files)(struct file **res, int flags);
+	long (*pipe_fcntl)(struct file *file, unsigned int cmd,
+			   unsigned long arg);	/* optional */
+	bool tree_ready;
 };
 
 extern struct bunshin_ksyms bunshin_ksyms;
@@ -67,5 +72,26 @@ int bunshin_ksyms_init(void);
 
 /* BUNSHIN_IOC_FORK (bunshin_fork.c). */
 long bunshin_ioctl_fork(void __user *uarg);
+
+/* What BUNSHIN_IOC_FORK_TREE (bunshin_tree.c) shares with it. */
+bool bunshin_cgroup_frozen(struct task_struct *task);
+void bunshin_set_child_fs(struct task_struct *p, struct path *root,
+			  struct path *pwd);
+void bunshin_leave_frozen(void);
+void bunshin_refreeze(void);
+void bunshin_child_resume_here(struct task_struct *p);
+struct files_struct *bunshin_swap_files(struct files_struct *files);
+struct files_struct *bunshin_dup_files(struct files_struct *oldf);
+struct file *bunshin_next_file(struct files_struct *files, unsigned int *fd,
+			       bool *cloexec);
+const char *bunshin_file_kind(struct file *file, char *buf, size_t len,
+			      bool *ok);
+struct file *bunshin_reopen(struct file *old, const struct path *src_root,
+			    const struct path *dst_root, char *buf,
+			    const char **name);
+struct file *bunshin_fork_cgroup(int fd);
+
+/* BUNSHIN_IOC_FORK_TREE (bunshin_tree.c). */
+long bunshin_ioctl_fork_tree(void __user *uarg);
 
 #endif /* BUNSHIN_INTERNAL_H */

@@ -99,6 +99,10 @@ int bunshin_ksyms_init(void)
 	k->cgroup_ready = k->fork_ready && k->dup_fd && k->put_files_struct;
 	k->files_ready = k->cgroup_ready && k->replace_fd && k->d_path_under;
 	k->session_ready = k->fork_ready && k->change_pid;
+	k->create_pipe_files = bunshin_lookup(lookup, "create_pipe_files");
+	k->pipe_fcntl = bunshin_lookup(lookup, "pipe_fcntl");
+	k->tree_ready = k->files_ready && k->session_ready &&
+			k->create_pipe_files;
 #ifdef CONFIG_LRU_GEN
 	k->lru_gen_add_mm = bunshin_lookup(lookup, "lru_gen_add_mm");
 #endif

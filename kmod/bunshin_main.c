@@ -45,6 +45,8 @@ static u64 bunshin_features(void)
 		features |= BUNSHIN_FEATURE_FORK_SESSION;
 	if (bunshin_ksyms.files_ready)
 		features |= BUNSHIN_FEATURE_FORK_FILES;
+	if (bunshin_ksyms.tree_ready)
+		features |= BUNSHIN_FEATURE_FORK_TREE;
 	return features;
 }
 
@@ -81,6 +83,8 @@ static long bunshin_ioctl(struct file *file, unsigned int cmd,
 		return bunshin_ioctl_version(uarg);
 	case BUNSHIN_IOC_FORK:
 		return bunshin_ioctl_fork(uarg);
+	case BUNSHIN_IOC_FORK_TREE:
+		return bunshin_ioctl_fork_tree(uarg);
 	default:
 		return -ENOTTY;
 	}

@@ -24,8 +24,10 @@
  * 2: struct bunshin_fork_req gained flags and the fields cgroup_fd and
  * group_pidfd (in what were reserved[0]); a request with flags 0 means what it
  * meant in version 1.
+ * 3: BUNSHIN_IOC_FORK_TREE and struct bunshin_tree_req (BUNSHIN_IOC_FORK is
+ * unchanged).
  */
-#define BUNSHIN_ABI_VERSION	2
+#define BUNSHIN_ABI_VERSION	3
 
 /* The ioctl type byte of /dev/bunshin's commands. */
 #define BUNSHIN_IOC_MAGIC	0xBB
@@ -50,6 +52,11 @@
 #define BUNSHIN_FEATURE_FORK_SESSION	(1ULL << 4)
 /* BUNSHIN_FORK_REOPEN_FILES works (replace_fd, __d_path too). */
 #define BUNSHIN_FEATURE_FORK_FILES	(1ULL << 5)
+/*
+ * BUNSHIN_IOC_FORK_TREE works: every internal the flags above need, and
+ * create_pipe_files, were resolved.
+ */
+#define BUNSHIN_FEATURE_FORK_TREE	(1ULL << 6)
 
 /**
  * struct bunshin_version - argument of BUNSHIN_IOC_VERSION
@@ -143,5 +150,70 @@ struct bunshin_fork_req {
 };
 
 #define BUNSHIN_IOC_FORK	_IOWR(BUNSHIN_IOC_MAGIC, 0x01, struct bunshin_fork_req)
+
+/* The most processes one BUNSHIN_IOC_FORK_TREE request may name. */
+#define BUNSHIN_TREE_MAX	1024
+
+/**
+ * struct bunshin_tree_req - argument of BUNSHIN_IOC_FORK_TREE
+ * @flags: in: must be 0.
+ * @count: in: the number of pids at @source_pids (1 to BUNSHIN_TREE_MAX).
+ * @source_pids: in: a user pointer to __s32[count], the processes to fork
+ *	(pids in the caller's pid namespace), each one's parent before it:
+ *	source_pids[0] is the root of the tree, and the parent of every other
+ *	one is an earlier entry. All must be in the root's pid namespace,
+ *	single-threaded and frozen by the cgroup v2 freezer.
+ * @child_pids: in: a user pointer to __s32[count]; out: there, the clone of
+ *	each source (same index), a pid in the caller's pid namespace.
+ * @target_pidfd: in: a pidfd of the target: the clones get its mount,
+ *	network, UTS, IPC, cgroup and time namespaces, root and working
+ *	directory, and the pid namespace its children get. If that pid
+ *	namespace is the target's own, the clone of the root is a child of its
+ *	init; if it is a new, still empty one (the target called
+ *	unshare(CLONE_NEWPID) and has no child there yet), the clone of the
+ *	root becomes its init (pid 1), a child of the target.
+ * @cgroup_fd: in: a cgroup v2 directory (O_PATH is enough) every clone is
+ *	born in, as with clone3()'s CLONE_INTO_CGROUP; freeze it first for the
+ *	clones to start frozen.
+ * @source_ns: out: nanoseconds the sources spent running the forks, summed.
+ * @reserved: in: must be 0; out: 0.
+ *
+ * Every clone keeps its source's pid in the target's pid namespace where that
+ * pid is free; its parent is the clone of its source's parent; its session
+ * and process group are the clones' of its source's (one led by a process
+ * outside the tree: the root clone's); it has no controlling tty; it has its
+ * source's credentials (the cgroup and pid checks are made with the needed
+ * capabilities raised: the caller asks for them). Its fds are
+ * its source's: regular files, directories and the memory devices reopened
+ * in the target's root (one reopened file per source open file), pipes and
+ * unix socket pairs with both ends in the tree recreated with their buffered
+ * data (one new pipe or pair per source pipe or pair, every fd of the tree
+ * that shared an end shares the new end), FIFOs reopened at the same path in
+ * the target (unused there) and given the buffered data. Any other fd fails
+ * the whole request with EINVAL, the kernel log naming the process, fd and
+ * kind.
+ *
+ * Errors: those of BUNSHIN_IOC_FORK with BUNSHIN_FORK_CGROUP and
+ * BUNSHIN_FORK_REOPEN_FILES, EBUSY (also: another request made the init of
+ * the target's new pid namespace first), and EINVAL (count 0 or above the maximum, a
+ * source whose parent is not an earlier entry, sources in several pid
+ * namespaces, the same pid twice, a target whose pid namespace for children
+ * is neither its own nor a new empty one, a pipe, FIFO or socket with an end
+ * outside the tree, a multi-threaded source). On any error no clone is left:
+ * those made are killed before they ever ran, and the sources resume
+ * untouched.
+ */
+struct bunshin_tree_req {
+	__u32 flags;
+	__u32 count;
+	__u64 source_pids;
+	__u64 child_pids;
+	__s32 target_pidfd;
+	__s32 cgroup_fd;
+	__u64 source_ns;
+	__u64 reserved[3];
+};
+
+#define BUNSHIN_IOC_FORK_TREE	_IOWR(BUNSHIN_IOC_MAGIC, 0x02, struct bunshin_tree_req)
 
 #endif /* _UAPI_LINUX_BUNSHIN_H */
