@@ -69,8 +69,11 @@ class Child:
         return json.loads(line)
 
     def release(self) -> None:
-        """Let a child blocked in ``wait_parent()`` go on."""
-        os.write(self._send, b"x")
+        """Let a child blocked in ``wait_parent()`` go on (nothing to do if it has exited)."""
+        try:
+            os.write(self._send, b"x")
+        except BrokenPipeError:
+            pass
 
     def wait(self) -> int:
         """Reap the child; return its exit code (or -signal)."""
