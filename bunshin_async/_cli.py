@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Modules that add commands: each defines ``register(sub, trace_sub)``, adding parsers to the
 # top-level subcommands and to ``bunshin trace``; a parser's ``fn(args, console) -> int`` runs it.
-_COMMAND_MODULES = ("_cmd_traces", "_cmd_reproduce", "_cmd_live", "_cmd_vm", "_cmd_check")
+_COMMAND_MODULES = ("_cmd_traces", "_cmd_reproduce", "_cmd_live", "_cmd_vm", "_cmd_check", "_cmd_serve")
 
 
 def _leaves(group: BaseException) -> list[BaseException]:

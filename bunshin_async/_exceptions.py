@@ -16,6 +16,9 @@ __all__ = [
     "VMError",
     "ModelError",
     "PolicyError",
+    "NotFoundError",
+    "StateConflictError",
+    "CapacityError",
 ]
 
 
@@ -89,3 +92,34 @@ class PolicyError(BunshinError):
     ``module:class``) and what it did. It stops the run: a policy that breaks its contract
     cannot be trusted with a training run (``bunshin check-policy`` finds these first).
     """
+
+
+class NotFoundError(BunshinError):
+    """Raised by the rollout service (``bunshin serve``) when an id names no registered task,
+    open group or session; the HTTP API answers 404."""
+
+
+class StateConflictError(BunshinError):
+    """Raised by the rollout service when a request does not fit the state of what it names:
+    a step or close on a session that is closed, failed, expired or already stepping, a task
+    registered twice, a task deleted while it has open groups. The HTTP API answers 409."""
+
+
+class CapacityError(BunshinError):
+    """Raised by the rollout service when a group cannot be opened within the wait the request
+    allows because a limit is reached; the HTTP API answers 429 (``max_workspaces``) or 503
+    (``max_bytes``, or the service shutting down) with a ``Retry-After`` header.
+
+    Attributes:
+        limit: The limit reached: ``max_workspaces``, ``max_bytes`` or ``shutdown``.
+        in_use: How much of it is in use (sessions, or bytes).
+        maximum: The limit's value.
+        retry_after: Seconds after which a retry may succeed.
+    """
+
+    def __init__(self, message: str, *, limit: str, in_use: int, maximum: int, retry_after: float) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.in_use = in_use
+        self.maximum = maximum
+        self.retry_after = retry_after

@@ -410,6 +410,12 @@ class Scheduler:
             :class:`~bunshin_async.TailBenefitSpeculation` (parameters from *config*).
         plan: The training steps; by default :func:`plan_steps` over ``policy.planned()``.
         on_progress: Called with ``(finished, total)`` rollouts each time one ends.
+        on_step: Called with ``(rollout, record)`` each time a sample's call has been served,
+            before the policy is asked for the next one.
+        tree: A prefix tree opened by the caller (:func:`open_prefix_tree`) to use instead of
+            one opened for this run, so that runs share cached prefixes (a long-running
+            service); its own budgets and eviction policy apply, *config*'s ``hot_budget``,
+            ``cold_budget`` and *eviction* are ignored, and it stays open after the run.
     """
 
     def __init__(
@@ -424,6 +430,8 @@ class Scheduler:
         speculation: SpeculationPolicy | None = None,
         plan: TrainingPlan | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        on_step: Callable[[RolloutKey, StepRecord], None] | None = None,
+        tree: PrefixTree | None = None,
     ) -> None:
         config.check()
         if config.speculation and selector is None:
@@ -447,6 +455,7 @@ class Scheduler:
         if not self._plan.steps:
             raise ConfigError("the plan has no rollouts to run")
         self._scopes: dict[RolloutKey, anyio.CancelScope] = {}
+        self._samples: dict[RolloutKey, _Sample] = {}
         self._results: dict[RolloutKey, RolloutResult] = {}
         self._tree: PrefixTree | None = None
         self._acct: MemoryAccountant | None = None
@@ -463,6 +472,8 @@ class Scheduler:
         self._prepared_used = 0
         self._steps: list[StepTiming | None] = [None] * len(self._plan.steps)
         self._on_progress = on_progress
+        self._on_step = on_step
+        self._shared_tree = tree
         self._total = sum(len(g) for step in self._plan.steps for g in step)
 
     # -- public ----------------------------------------------------------------------------
@@ -485,6 +496,21 @@ class Scheduler:
         """Rollouts running now."""
         return list(self._scopes)
 
+    def workspaces(self) -> list[Workspace]:
+        """The live workspaces the running samples hold now: their own and their speculative
+        branches' (prepared forks and the prefix tree's snapshots are not counted)."""
+        out = []
+        for s in self._samples.values():
+            for ws in (s.ws, s.branch.ws if s.branch is not None else None):
+                if ws is not None and not ws.released:
+                    out.append(ws)
+        return out
+
+    def result(self, rollout: RolloutKey) -> RolloutResult | None:
+        """The result of *rollout* once it has ended (everything it held is released by
+        then), else None; usable while the run goes on, from ``on_progress`` for example."""
+        return self._results.get(rollout)
+
     async def run(self) -> RunResult:
         """Run every step of the plan and return what was measured."""
         cfg = self._cfg
@@ -495,17 +521,23 @@ class Scheduler:
         per_step = max(sum(len(g) for g in step) for step in self._plan.steps)
         limiter = anyio.CapacityLimiter(cfg.max_concurrent or per_step)
         done = [anyio.Event() for _ in self._plan.steps]
-        async with open_prefix_tree(
-            self._backend,
-            hot_budget=cfg.hot_budget if cfg.caching else 0,
-            cold_budget=cfg.cold_budget if cfg.caching else 0,
-            on_change=self._sample_memory,
-            eviction=self._eviction,
-        ) as tree:
-            self._tree = tree
+        if self._shared_tree is not None:
+            tree = self._tree = self._shared_tree
             async with anyio.create_task_group() as tg:
                 for j in range(len(self._plan.steps)):
                     tg.start_soon(self._run_step, j, done, limiter)
+        else:
+            async with open_prefix_tree(
+                self._backend,
+                hot_budget=cfg.hot_budget if cfg.caching else 0,
+                cold_budget=cfg.cold_budget if cfg.caching else 0,
+                on_change=self._sample_memory,
+                eviction=self._eviction,
+            ) as tree:
+                self._tree = tree
+                async with anyio.create_task_group() as tg:
+                    for j in range(len(self._plan.steps)):
+                        tg.start_soon(self._run_step, j, done, limiter)
         self._sample_memory()
         now = self._now()
         steps = [s for s in self._steps if s is not None]
@@ -583,6 +615,7 @@ class Scheduler:
         async with limiter:
             scope = anyio.CancelScope()
             self._scopes[s.key] = scope
+            self._samples[s.key] = s
             start = self._now()
             self._set_running(+1)
             error: str | None = None
@@ -595,6 +628,7 @@ class Scheduler:
                 state.unfinished -= 1
                 self._set_running(-1)
                 del self._scopes[s.key]
+                del self._samples[s.key]
                 mem = None
                 if s.ws is not None and not s.ws.released:
                     try:
@@ -623,10 +657,13 @@ class Scheduler:
                 if self._on_progress is not None:
                     self._on_progress(len(self._results), self._total)
 
-    def _record(self, call: ToolCall, result: ToolResult, source: str, issued: float) -> StepRecord:
+    def _record(self, s: _Sample, call: ToolCall, result: ToolResult, source: str, issued: float) -> None:
         if result.output is not None:
             result = msgspec.structs.replace(result, output=None)
-        return StepRecord(call, result, source, issued - self._t0, self._now())  # type: ignore[arg-type]
+        record = StepRecord(call, result, source, issued - self._t0, self._now())  # type: ignore[arg-type]
+        s.records.append(record)
+        if self._on_step is not None:
+            self._on_step(s.key, record)
 
     def _set_running(self, delta: int) -> None:
         self._running += delta
@@ -669,7 +706,7 @@ class Scheduler:
                         s.calls.append(call)
                         s.obs.append(child.observation)
                         if child.result is not None:
-                            s.records.append(self._record(call, child.result, "cache", acted))
+                            self._record(s, call, child.result, "cache", acted)
                         continue
                 # 2. an adopted speculative branch
                 if s.branch is not None:
@@ -714,7 +751,7 @@ class Scheduler:
                         s.on_tree = False
                 s.calls.append(call)
                 s.obs.append(Observation(result.observation_digest, result.observation_size, result.output))
-                s.records.append(self._record(call, result, source, acted))
+                self._record(s, call, result, source, acted)
         if self._selector is not None:
             self._selector.observe(s.task.id, s.calls)
 

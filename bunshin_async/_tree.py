@@ -584,6 +584,43 @@ class PrefixTree:
         with anyio.CancelScope(shield=True):
             await self._backend.release(handle)
 
+    async def forget(self, task_id: str) -> bool:
+        """Remove *task_id*'s subtree, releasing every snapshot and cold delta in it.
+
+        Returns False, and changes nothing, while a running group pins the task's root; True
+        otherwise (also when the tree holds nothing of the task). The next
+        :meth:`acquire_root` of the task boots it anew.
+        """
+        root = self._roots.get(task_id)
+        if root is None:
+            return True
+        if root.pins:
+            return False
+        # detached first, so that no eviction picks one of its nodes meanwhile
+        del self._roots[task_id]
+        self._root_locks.pop(task_id, None)
+        stack, nodes = [root], []
+        while stack:
+            n = stack.pop()
+            nodes.append(n)
+            stack.extend(n.children.values())
+        self._n_nodes -= len(nodes)
+        with anyio.CancelScope(shield=True):
+            for n in nodes:
+                await self._wait_demoted(n)
+            for n in reversed(nodes):
+                if n.snapshot is not None:
+                    snap, n.snapshot = n.snapshot, None
+                    self._uncharge(n)
+                    await self._backend.release(snap)
+                if n.cold is not None:
+                    cold, n.cold = n.cold, None
+                    self._cold_used -= cold.stored_bytes
+                    await self._backend.release(cold)
+                n.tier = Tier.EVICTED
+            self._on_change()
+        return True
+
     async def aclose(self) -> None:
         """Release every snapshot and cold delta the tree holds."""
         self._closed = True

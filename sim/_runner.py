@@ -23,7 +23,7 @@ import msgspec
 from bunshin_async._exceptions import ConfigError
 from bunshin_async._policy import TracePolicy
 from bunshin_async._plugins import CacheabilityPolicy, EvictionPolicy, RecordedCacheability, SpeculationPolicy
-from bunshin_async._scheduler import RunResult, Scheduler, SchedulerConfig
+from bunshin_async._scheduler import RunResult, Scheduler, SchedulerConfig, StepRecord
 from bunshin_async._selector import HistorySelector, SpecToolSelector
 from bunshin_async._trace import RolloutKey, Trace
 
@@ -147,6 +147,7 @@ def build_simulation(
     eviction: EvictionPolicy | None = None,
     speculation: SpeculationPolicy | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    on_step: Callable[[RolloutKey, StepRecord], None] | None = None,
     cancels: Sequence[tuple[float, int]] = (),
     **overrides: Any,
 ) -> Simulation:
@@ -168,6 +169,7 @@ def build_simulation(
         eviction: Which snapshots leave the prefix tree's tiers (LRU by default).
         speculation: When and what to run ahead (the config's tail-benefit rule by default).
         on_progress: Called with ``(finished, total)`` rollouts as they end.
+        on_step: Called with ``(rollout, record)`` as each call is served.
         cancels: ``(t, i)`` pairs: cancel rollout number ``i`` of the plan at virtual time
             ``t`` (see :attr:`Simulation.cancels`).
         **overrides: :class:`SchedulerConfig` fields to change from the preset.
@@ -198,6 +200,7 @@ def build_simulation(
         eviction=eviction,
         speculation=speculation,
         on_progress=on_progress,
+        on_step=on_step,
     )
     for t, i in cancels:
         if t < 0 or i < 0:
