@@ -18,7 +18,7 @@ from ._exceptions import (
     VMError,
     WorkspaceReleasedError,
 )
-from ._gym import CHARSET, BunshinEnv, open_env_group
+from ._gym import CHARSET, BunshinEnv, SkyRLTextEnv, open_env_group
 from ._importers import (
     IMPORT_FORMATS,
     ImportModel,
@@ -173,6 +173,7 @@ __all__ = [
     "ServeConfig",
     "Service",
     "ServiceStatistics",
+    "SkyRLTextEnv",
     "SnapshotInfo",
     "SpecContext",
     "SpecStatistics",

@@ -11,7 +11,7 @@ import pytest
 from anyio.from_thread import start_blocking_portal
 from gymnasium.utils.env_checker import check_env
 
-from bunshin_async import BunshinEnv, ServeConfig, create_app, open_env_group, open_http_server, open_service
+from bunshin_async import BunshinEnv, ServeConfig, SkyRLTextEnv, create_app, open_env_group, open_http_server, open_service
 from sim import SimBackend, ToolModel
 
 from test_serve import CALLS, RECORDED, TRACE
@@ -107,4 +107,35 @@ def test_gymnasium_check_env_passes() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # check_env warns about text spaces it cannot sample deterministically
             check_env(env, skip_render_check=True)
+        env.close()
+
+
+def test_skyrl_shaped_environment() -> None:
+    with service() as (url, _):
+        seen = []
+
+        def verifier(answer, history):
+            seen.append((answer, [c["name"] for c, _ in history]))
+            return 1.0 if "42" in answer else 0.0
+
+        env = SkyRLTextEnv(url, "t", verifier)
+        prompt = [{"role": "user", "content": "count the files"}]
+        messages, meta = env.init(prompt)
+        assert messages == prompt and meta["session"]
+        c = CALLS[0][0]
+        out = env.step(f'Let me look.\n<tool_call>{action(c)}</tool_call>')
+        assert out["done"] is False and out["reward"] == 0.0 and out["metadata"]["served_by"] == "executed"
+        assert out["observations"] == [{"role": "user", "content": out["observations"][0]["content"]}]
+        assert RECORDED[(0, 0)] in out["observations"][0]["content"]
+        out = env.step(action(CALLS[0][1]))  # a bare JSON call works too
+        assert out["done"] is False
+        out = env.step("There are 42 files.")
+        assert (out["done"], out["reward"]) == (True, 1.0)
+        assert seen == [("There are 42 files.", [c.name, CALLS[0][1].name])]
+        env.close()
+        # a second episode attached to a session of a group the trainer opened
+        (sid,) = open_env_group(url, "t", 1)
+        env = SkyRLTextEnv(url, "t", verifier, session=sid)
+        assert env.init(prompt)[1]["session"] == sid
+        assert env.step(f"<tool_call>{action(CALLS[1][0])}</tool_call>")["metadata"]["served_by"] == "cache"
         env.close()
