@@ -441,10 +441,23 @@ def test_shutdown_closes_open_sessions_and_releases_everything() -> None:
 
 
 def test_many_concurrent_sessions() -> None:
-    n, groups = 64, 4
+    # issue 7's load figure: 256 sessions stepping at once, no errors, nothing left, and the
+    # working set within the bound the service is given. The bound is the most the model lets
+    # them hold: the task's root, plus every byte each session's calls dirty, twice (its own
+    # fork and a speculative branch of the same call), plus the tree's snapshot of each call.
+    n, groups = 256, 16
+    bound = TASK.memory.runtime_bytes + 3 * n * len(CALLS[0]) * MiB
 
     async def main() -> None:
-        async with serving(ServeConfig(max_workspaces=n)) as (client, _):
+        async with serving(ServeConfig(max_workspaces=n, max_bytes=bound)) as (client, backend):
+            peak = 0
+
+            async def watch() -> None:
+                nonlocal peak
+                while True:
+                    peak = max(peak, backend.working_set())
+                    await anyio.sleep(0.005)
+
             await register(client)
             opened = []
 
@@ -468,12 +481,16 @@ def test_many_concurrent_sessions() -> None:
                 await close(client, sid, reward=1.0)
 
             async with anyio.create_task_group() as tg:
-                for i, sid in enumerate(sessions):
-                    tg.start_soon(drive, i, sid)
+                tg.start_soon(watch)
+                async with anyio.create_task_group() as drivers:
+                    for i, sid in enumerate(sessions):
+                        drivers.start_soon(drive, i, sid)
+                tg.cancel_scope.cancel()
             s = await stats(client)
             assert len(results) == 4 * n and s["sessions_ended"]["closed"] == n
             # sessions in lock-step may all miss the tree: how many hit depends on timing
             assert sum(s["steps"].values()) == 4 * n and s["live_workspaces"] == 0
+            assert 0 < peak <= bound
 
     run(main)
 
