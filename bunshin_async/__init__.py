@@ -69,6 +69,7 @@ from ._serve import (
     create_app,
     open_http_server,
     open_service,
+    tools_from_spec,
 )
 from ._selector import (
     BlendSelector,
@@ -230,5 +231,6 @@ __all__ = [
     "plan_steps",
     "render_call",
     "run_rollouts",
+    "tools_from_spec",
     "trace_stats",
 ]

@@ -1,4 +1,4 @@
-"""The rollout service (``bunshin serve``), environment mode: workspaces behind an HTTP API.
+"""The rollout service (``bunshin serve``): workspaces behind an HTTP API, in environment and agent mode.
 
 A trainer registers a task (set-up calls run once in the task's root workspace), opens a group
 of G sessions forked from it, steps each session with tool calls and gets the observations
@@ -21,6 +21,14 @@ longer than ``idle_timeout`` is expired and its workspace released; a client tha
 mid-step fails its session only; a backend failure fails the sessions it hit only. Closing
 the service ends every session and releases every workspace and snapshot.
 
+Agent mode (:meth:`Service.start_run`): the service drives the agent loop itself. A run is
+one group like the above whose policy asks an OpenAI-compatible endpoint for each call (a
+:class:`~bunshin_async.ChatPolicy`), records every served call with its observation and
+``served_by``, and ends each trajectory with the environment verifier's reward (a call run in
+the trajectory's workspace whose output ends in a number) or a reward the client fixed, said
+so in the result. Its progress is a stream of events; a model failure fails its trajectory
+only; cancelling a run releases everything it holds.
+
 The HTTP layer is a Litestar app (:func:`create_app`, request and response bodies are msgspec
 structs; the OpenAPI document is at ``/schema/openapi.json``) served by uvicorn in-process
 (:func:`open_http_server`). The API is described in ``docs/serve.md``.
@@ -30,8 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Annotated, Any, Literal
 
 import anyio
@@ -62,7 +71,8 @@ from ._plugins import (
     TailBenefitSpeculation,
 )
 from ._metrics import RolloutMetrics
-from ._policy import Finish, Policy, SampleView
+from ._openai import ChatModel, ChatPolicy
+from ._policy import Finish, Observation, Policy, SampleView
 from ._scheduler import (
     RolloutResult,
     Scheduler,
@@ -71,7 +81,7 @@ from ._scheduler import (
     TrainingPlan,
 )
 from ._selector import HistorySelector, Prediction
-from ._spec import WorkspaceSpec, render_call
+from ._spec import WorkspaceSpec, _fields, render_call
 from ._trace import MemoryProfile, RolloutKey, Task, ToolCall
 from ._tree import PrefixTree, open_prefix_tree
 
@@ -84,10 +94,13 @@ __all__ = [
     "open_service",
     "create_app",
     "open_http_server",
+    "tools_from_spec",
 ]
 
 API_PREFIX = "/v1"
 """Every endpoint of the API is under this path."""
+
+_NDJSON = "application/x-ndjson"  # the media type of a run's event stream
 
 _SETUP_GROUP = -1  # the RolloutKey group (and sample) of a task's set-up calls
 
@@ -192,6 +205,8 @@ class TaskInfo(msgspec.Struct, frozen=True):
     the first group opens)."""
     open_groups: list[str]
     """Ids of its groups still running."""
+    open_runs: list[str] = []
+    """Ids of its agent-mode runs still running."""
 
 
 class GroupRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -301,13 +316,13 @@ class ServiceStatistics(msgspec.Struct, frozen=True):
     groups_open: int
     """Groups with a session still open."""
     sessions_open: int
-    """Sessions not yet ended (counted against ``max_workspaces``)."""
+    """Sessions and agent-mode trajectories not yet ended (counted against ``max_workspaces``)."""
     sessions_ended: dict[str, int]
     """Ended sessions by final status (``closed``, ``failed``, ``expired``)."""
     steps: dict[str, int]
     """Steps served, by how (``executed``, ``cache``, ``speculation``)."""
     refused: int
-    """Open-group requests refused for capacity."""
+    """Open-group and agent-run requests refused for capacity."""
     live_workspaces: int
     """Live (not frozen) workspaces the backend holds now, speculative branches included."""
     live_handles: int
@@ -318,6 +333,190 @@ class ServiceStatistics(msgspec.Struct, frozen=True):
     engine: str
     """The backend's fork engine."""
     limits: LimitsInfo
+    runs_open: int = 0
+    """Agent-mode runs still running."""
+    trajectories_ended: dict[str, int] = {}
+    """Agent-mode trajectories ended, by status (``done``, ``failed``, ``cancelled``)."""
+
+
+# -- agent mode: request, response and event bodies ---------------------------------------------
+
+
+class VerifierReward(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="verifier", tag_field="kind"):
+    """The reward is the environment verifier's: after the model's final answer, *call* runs in
+    the trajectory's own workspace (so it sees the state the agent left), and the last non-empty
+    line of its output must parse as a finite number. Anything else fails the trajectory; no
+    reward is ever made up."""
+
+    call: ToolCall
+    """The verifier call, a tool of the workspace (with a live spec it is checked against it)."""
+    answer_argument: str | None = None
+    """An argument of *call* set to the model's final text (``""`` when the trajectory was cut
+    at ``max_steps``); None runs *call* as given."""
+
+
+class FixedReward(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="fixed", tag_field="kind"):
+    """Every finished trajectory gets *value*, as the client says. The result says so
+    (``reward_source: "fixed"``): for a client that scores the trajectories itself, from their
+    ``answer`` and steps."""
+
+    value: float
+    """The reward of every finished trajectory."""
+
+
+class RunRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Start an agent-mode run of a task: ``POST /v1/tasks/{task_id}/runs``."""
+
+    model: ChatModel
+    """The OpenAI-compatible endpoint and its sampling settings (``base_url``, ``model``,
+    ``api_key``, ``temperature``, ``max_tokens``, ``timeout``, ``retries``, ...). When
+    ``api_key`` is null no key is sent: the service never forwards a key of its own."""
+    reward: VerifierReward | FixedReward
+    """How each finished trajectory's reward is computed: ``{"kind": "verifier", "call": ...}``
+    or ``{"kind": "fixed", "value": ...}``."""
+    size: Annotated[int, msgspec.Meta(ge=1, description="trajectories in the group, G")]
+    """Trajectories in the group (G), each in a session forked from the task's root."""
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools offered to the model; None derives them from the workspace spec's
+    tools (the verifier's tool left out), and is refused where the service has no spec."""
+    system_prompt: str = ""
+    """The system message (left out when empty); the user message is the task's description."""
+    max_steps: Annotated[int, msgspec.Meta(ge=1)] = 32
+    """Most tool calls per trajectory; a trajectory reaching it is cut (``truncated``) and
+    rewarded as if the model had answered ``""``."""
+    wait: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    """Seconds to wait for capacity before the request is refused, as for a group."""
+    seed: int = 0
+    """Seeds the model client's retry jitter."""
+    stream: bool = True
+    """Answer with the run's event stream (newline-delimited JSON); false answers with the run
+    at once (its events are at ``GET /v1/runs/{id}/events``)."""
+
+
+ServedBy = Literal["executed", "cache", "speculation"]
+TrajectoryStatus = Literal["running", "done", "failed", "cancelled"]
+
+
+class AgentStep(msgspec.Struct, frozen=True):
+    """One served call of an agent-mode trajectory."""
+
+    step: int
+    """Its index in the trajectory (0 for the first call)."""
+    call: ToolCall
+    observation: ObservationBody
+    served_by: ServedBy
+    """``executed``, ``cache`` (from the prefix tree) or ``speculation`` (from a branch that ran
+    it while the model was thinking)."""
+    issued: float
+    """When the model's call reached the scheduler, in seconds since the run started."""
+    served: float
+    """When its observation was ready, likewise."""
+    exec_time: float
+    """How long the tool ran (for a cache hit, when it first ran)."""
+    think: float
+    """Seconds from the previous observation (or the run's start) to this call: the model's
+    latency, during which the service speculated."""
+
+
+class TrajectoryInfo(msgspec.Struct, frozen=True):
+    """One trajectory of an agent-mode run."""
+
+    sample: int
+    """Its index in the group."""
+    rollout: str
+    """Its rollout key in the scheduler (``e0/TASK/gN/sI``)."""
+    status: TrajectoryStatus
+    """``running``, then ``done``, ``failed`` (``error`` says why) or ``cancelled``."""
+    steps: list[AgentStep]
+    """The model's calls and their observations, in order (the verifier's call is not one)."""
+    served_by: dict[str, int]
+    """How many of ``steps`` were ``executed``, from the ``cache`` or from ``speculation``."""
+    answer: str | None
+    """The model's final text (null while running, when it failed, or when it was cut)."""
+    truncated: bool
+    """It reached ``max_steps`` and was cut."""
+    reward: float | None
+    """Its reward once ``done``; null otherwise."""
+    reward_source: Literal["verifier", "fixed"]
+    """Where the reward comes from: the verifier call's output, or the value the client fixed."""
+    verifier: AgentStep | None
+    """The verifier call and its observation, once it ran."""
+    error: str | None
+    """Why it failed or was cancelled."""
+
+
+class RunInfo(msgspec.Struct, frozen=True):
+    """An agent-mode run: one group of trajectories driven by the model."""
+
+    id: str
+    task: str
+    size: int
+    model: str
+    """The served model's name."""
+    base_url: str
+    """Where it is served."""
+    reward_source: Literal["verifier", "fixed"]
+    status: Literal["running", "ended"]
+    """``ended`` once every trajectory has ended (done, failed or cancelled)."""
+    cancelled: bool
+    """It was cancelled (``DELETE``) or the service shut down before it ended."""
+    error: str | None
+    """Why the run failed as a whole (the task's root workspace could not be made), if it did."""
+    trajectories: list[TrajectoryInfo]
+
+
+class RunStarted(msgspec.Struct, frozen=True, tag="started", tag_field="event"):
+    """The first event of a run: its group is open."""
+
+    run: str
+    task: str
+    size: int
+    model: str
+    rollouts: list[str]
+    """The trajectories' rollout keys, in sample order."""
+    time: float
+    """Seconds since the run started (every event has it)."""
+
+
+class StepEvent(msgspec.Struct, frozen=True, tag="step", tag_field="event"):
+    """A call of a trajectory was served."""
+
+    run: str
+    sample: int
+    step: AgentStep
+    verifier: bool
+    """This is the verifier's call, not the model's."""
+    time: float
+
+
+class TrajectoryEvent(msgspec.Struct, frozen=True, tag="trajectory", tag_field="event"):
+    """A trajectory ended."""
+
+    run: str
+    sample: int
+    status: TrajectoryStatus
+    steps: int
+    """The model's calls served."""
+    answer: str | None
+    truncated: bool
+    reward: float | None
+    reward_source: Literal["verifier", "fixed"]
+    error: str | None
+    time: float
+
+
+class RunEnded(msgspec.Struct, frozen=True, tag="ended", tag_field="event"):
+    """The last event of a run: every trajectory has ended and every workspace is released."""
+
+    run: str
+    cancelled: bool
+    trajectories: dict[str, int]
+    """Trajectories by final status."""
+    error: str | None
+    time: float
+
+
+RunEvent = RunStarted | StepEvent | TrajectoryEvent | RunEnded
 
 
 # -- the backend as the service sees it -------------------------------------------------------
@@ -569,6 +768,7 @@ class _TaskEntry:
         self.cacheable = CacheableTools(cacheable)
         self.selector = HistorySelector()
         self.groups: dict[str, _Group] = {}
+        self.runs: dict[str, _Run] = {}
 
 
 class ExternalPolicy(Policy):
@@ -593,6 +793,190 @@ class ExternalPolicy(Policy):
         if session is None:
             raise ConfigError(f"rollout {sample.rollout} has no session")
         return await session.next_action(sample, self._idle)
+
+
+# -- agent mode: runs and their policy ---------------------------------------------------------
+
+
+def tools_from_spec(spec: WorkspaceSpec, *, exclude: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """OpenAI function tools for the tools of *spec* (but *exclude*): each takes the arguments
+    its command template names, as strings, required unless the tool has a default for them."""
+    out = []
+    skip = set(exclude)
+    for name, tool in sorted(spec.tools.items()):
+        if name in skip:
+            continue
+        fields = sorted(_fields(tool.command))
+        out.append({"type": "function", "function": {
+            "name": name,
+            "description": tool.description or f"Run the workspace tool {name!r}.",
+            "parameters": {
+                "type": "object",
+                "properties": {f: {"type": "string"} for f in fields},
+                "required": [f for f in fields if f not in tool.defaults],
+            },
+        }})
+    return out
+
+
+def _verifier_reward(rollout: RolloutKey, obs: Observation) -> float:
+    """The reward the verifier's observation gives: its last non-empty line, as a number."""
+    where = f"rollout {rollout}: the verifier"
+    if obs.output is None:
+        raise BackendError(f"{where} returned no output (the backend keeps none), so there is no reward to read")
+    lines = [line.strip() for line in obs.output.decode("utf-8", errors="replace").splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    try:
+        value = float(last)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise BackendError(f"{where}'s output does not end in a finite number: last line {last[:200]!r}")
+    return value
+
+
+class _Trajectory:
+    """One sample of an agent-mode run."""
+
+    def __init__(self, sample: int, key: RolloutKey) -> None:
+        self.sample = sample
+        self.key = key
+        self.status: TrajectoryStatus = "running"
+        self.steps: list[AgentStep] = []
+        self.records: list[StepRecord] = []  # what the scheduler served, by call index
+        self.served_by = {"executed": 0, "cache": 0, "speculation": 0}
+        self.answer: str | None = None
+        self.truncated = False
+        self.reward: float | None = None
+        self.verifying = False
+        self.verifier: AgentStep | None = None
+        self.error: str | None = None
+
+    def info(self, source: Literal["verifier", "fixed"]) -> TrajectoryInfo:
+        return TrajectoryInfo(
+            sample=self.sample, rollout=str(self.key), status=self.status, steps=list(self.steps),
+            served_by=dict(self.served_by), answer=self.answer, truncated=self.truncated, reward=self.reward,
+            reward_source=source, verifier=self.verifier, error=self.error,
+        )
+
+
+class _Run:
+    """An agent-mode run: one group of samples whose calls come from the model."""
+
+    def __init__(self, id: str, number: int, entry: _TaskEntry, request: RunRequest, chat: ChatPolicy,
+                 answers: dict[RolloutKey, str]) -> None:
+        self.id = id
+        self.number = number
+        self.entry = entry
+        self.request = request
+        self.chat = chat
+        self.answers = answers  # the model's final text, by rollout, until its trajectory reads it
+        self.source: Literal["verifier", "fixed"] = "verifier" if isinstance(request.reward, VerifierReward) else "fixed"
+        self.trajectories = [_Trajectory(i, RolloutKey(0, entry.task.id, number, i)) for i in range(request.size)]
+        self.by_key = {t.key: t for t in self.trajectories}
+        self.scheduler: Scheduler | None = None
+        self.scope = anyio.CancelScope()
+        self.done = anyio.Event()
+        self.cancelled: str | None = None
+        self.error: str | None = None
+        self.started = anyio.current_time()
+        self.events: list[bytes] = []  # newline-terminated JSON, in order
+        self._new_event = anyio.Event()
+
+    def now(self) -> float:
+        return anyio.current_time() - self.started
+
+    def emit(self, event: RunEvent) -> None:
+        self.events.append(msgspec.json.encode(event) + b"\n")
+        self._new_event.set()
+        self._new_event = anyio.Event()
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """Every event so far, then each new one as it comes, until the run's last."""
+        i = 0
+        while True:
+            new = self._new_event
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.done.is_set():
+                return
+            await new.wait()
+
+    def observe(self, t: _Trajectory, sample: SampleView) -> None:
+        """Record (and announce) the calls of *sample* served since its last action."""
+        seen = len(t.steps) + (t.verifier is not None)
+        for i in range(seen, len(sample.calls)):
+            call, obs = sample.calls[i], sample.observations[i]
+            record = t.records[i] if i < len(t.records) else None
+            prev = t.records[i - 1].served if 0 < i <= len(t.records) else 0.0
+            issued = record.issued if record is not None else prev
+            step = AgentStep(
+                step=i, call=call,
+                observation=ObservationBody(
+                    obs.digest, obs.size, obs.output.decode("utf-8", errors="replace") if obs.output is not None else None
+                ),
+                served_by=record.source if record is not None else "cache",
+                issued=issued, served=record.served if record is not None else issued,
+                exec_time=record.result.exec_time if record is not None else 0.0,
+                think=max(0.0, issued - prev),
+            )
+            verifier = t.verifying and i == len(sample.calls) - 1
+            if verifier:
+                t.verifier = step
+            else:
+                t.steps.append(step)
+                t.served_by[step.served_by] += 1
+            self.emit(StepEvent(run=self.id, sample=t.sample, step=step, verifier=verifier, time=self.now()))
+
+    def info(self) -> RunInfo:
+        model = self.request.model
+        return RunInfo(
+            id=self.id, task=self.entry.task.id, size=len(self.trajectories), model=model.model,
+            base_url=model.base_url, reward_source=self.source,
+            status="ended" if self.done.is_set() else "running", cancelled=self.cancelled is not None,
+            error=self.error, trajectories=[t.info(self.source) for t in self.trajectories],
+        )
+
+
+class _AgentPolicy(Policy):
+    """The policy of an agent-mode run: each next call comes from the run's :class:`ChatPolicy`
+    (checked against the workspace spec, where there is one); the model's final answer is
+    followed by the verifier's call, whose output gives the reward (or the fixed reward ends
+    the trajectory at once). Every served call is recorded, with its output, and announced."""
+
+    def __init__(self, run: _Run, check_call: Callable[[ToolCall, str], None]) -> None:
+        self._run = run
+        self._check = check_call
+
+    async def act(self, sample: SampleView) -> ToolCall | Finish:
+        run = self._run
+        t = run.by_key[sample.rollout]
+        run.observe(t, sample)
+        if t.verifying:
+            t.reward = _verifier_reward(sample.rollout, sample.observations[-1])
+            return Finish(t.reward)
+        n = len(sample.calls)
+        if n >= run.request.max_steps:
+            t.truncated = True
+            answer = ""
+        else:
+            action = await run.chat.act(sample)
+            if isinstance(action, ToolCall):
+                try:
+                    self._check(action, f"rollout {sample.rollout} step {n}: the model's call")
+                except ConfigError as exc:  # the model's mistake: this trajectory fails
+                    raise ModelError(str(exc)) from None
+                return action
+            answer = t.answer = run.answers.pop(sample.rollout, "")
+        reward = run.request.reward
+        if isinstance(reward, FixedReward):
+            t.reward = reward.value
+            return Finish(reward.value)
+        t.verifying = True
+        if reward.answer_argument is None:
+            return reward.call
+        return ToolCall(name=reward.call.name, arguments={**reward.call.arguments, reward.answer_argument: answer})
 
 
 # -- the service ---------------------------------------------------------------------------------
@@ -635,6 +1019,9 @@ class Service:
         self._groups: dict[str, _Group] = {}
         self._sessions: dict[str, _Session] = {}
         self._ended_groups: deque[_Group] = deque()
+        self._runs: dict[str, _Run] = {}
+        self._ended_runs: deque[_Run] = deque()
+        self._trajectories_ended = {"done": 0, "failed": 0, "cancelled": 0}
         self._group_ids = itertools.count()
         self._open = 0  # sessions not yet ended
         self._capacity = anyio.Event()
@@ -727,6 +1114,7 @@ class Service:
             cacheable=sorted(entry.cacheable.tools),
             setup_observations=[_observation(r) for r in self._backend.setup_results.get(task_id, [])],
             open_groups=[g.id for g in entry.groups.values() if not g.done.is_set()],
+            open_runs=[r.id for r in entry.runs.values() if not r.done.is_set()],
         )
 
     def tasks(self) -> list[TaskInfo]:
@@ -742,10 +1130,11 @@ class Service:
         """
         entry = self._task(task_id)
         running = [g.id for g in entry.groups.values() if not g.done.is_set()]
+        running += [r.id for r in entry.runs.values() if not r.done.is_set()]
         if running or not await self._tree.forget(task_id):
             raise StateConflictError(
                 f"task {task_id!r} has running groups ({', '.join(running) or 'ending'}); close them first "
-                f"(DELETE {API_PREFIX}/groups/ID)"
+                f"(DELETE {API_PREFIX}/groups/ID, DELETE {API_PREFIX}/runs/ID)"
             )
         del self._tasks[task_id]
         self._backend.setup.pop(task_id, None)
@@ -784,6 +1173,25 @@ class Service:
         self._capacity.set()
         self._capacity = anyio.Event()
 
+    def _check_size(self, size: int) -> None:
+        if size > self._cfg.max_workspaces:
+            raise ConfigError(
+                f"size: a group of {size} can never open, the service allows {self._cfg.max_workspaces} sessions "
+                "(max_workspaces); lower size"
+            )
+
+    async def _reserve(self, size: int, wait: float) -> None:
+        """Wait up to *wait* seconds (at most ``max_wait``) until *size* more sessions fit;
+        the caller then counts them in ``_open`` (without awaiting in between)."""
+        deadline = anyio.current_time() + min(wait, self._cfg.max_wait)
+        while (refusal := self._over_limit(size)) is not None:
+            left = deadline - anyio.current_time()
+            if left <= 0 or refusal.limit == "shutdown":
+                self._refused += 1
+                raise refusal
+            with anyio.move_on_after(min(left, 0.25)):  # the working set changes unannounced
+                await self._capacity.wait()
+
     # -- groups -----------------------------------------------------------------------------------
 
     async def open_group(self, task_id: str, request: GroupRequest) -> GroupInfo:
@@ -800,19 +1208,8 @@ class Service:
         entry = self._task(task_id)
         cfg = self._cfg
         size = request.size
-        if size > cfg.max_workspaces:
-            raise ConfigError(
-                f"size: a group of {size} can never open, the service allows {cfg.max_workspaces} sessions "
-                "(max_workspaces); lower size"
-            )
-        deadline = anyio.current_time() + min(request.wait, cfg.max_wait)
-        while (refusal := self._over_limit(size)) is not None:
-            left = deadline - anyio.current_time()
-            if left <= 0 or refusal.limit == "shutdown":
-                self._refused += 1
-                raise refusal
-            with anyio.move_on_after(min(left, 0.25)):  # the working set changes unannounced
-                await self._capacity.wait()
+        self._check_size(size)
+        await self._reserve(size, request.wait)
         number = next(self._group_ids)
         group = _Group(f"g{number}", number, entry, size, self._steps)
         group.scheduler = Scheduler(
@@ -856,7 +1253,8 @@ class Service:
         self.metrics.on_step(key, record)
 
     def _workspaces(self) -> list[Workspace]:
-        return [ws for g in self._groups.values() if g.scheduler is not None and not g.done.is_set()
+        running = [*self._groups.values(), *self._runs.values()]
+        return [ws for g in running if g.scheduler is not None and not g.done.is_set()
                 for ws in g.scheduler.workspaces()]
 
     def _collect(self, group: _Group) -> None:
@@ -963,6 +1361,173 @@ class Service:
         await s.ended.wait()
         return s.info()
 
+    # -- agent mode -------------------------------------------------------------------------------
+
+    def _run(self, run_id: str) -> _Run:
+        try:
+            return self._runs[run_id]
+        except KeyError:
+            raise NotFoundError(f"no run {run_id!r} (never started, or ended long ago and forgotten)") from None
+
+    async def start_run(self, task_id: str, request: RunRequest) -> RunInfo:
+        """Start an agent-mode run: a group of ``request.size`` samples of *task_id* whose
+        calls come from the model, waiting for capacity as :meth:`open_group` does. Returns
+        once the run is started (its events are at :meth:`run_events`).
+
+        Raises:
+            NotFoundError: If the task is not registered.
+            ConfigError: If the group could never open, the task has no description (the
+                user message), no tools are given and the service has no spec to derive them
+                from, or the tools, the model settings or the verifier call are invalid.
+            CapacityError: If it does not fit within the wait.
+        """
+        entry = self._task(task_id)
+        self._check_size(request.size)
+        if not entry.task.description.strip():
+            raise ConfigError(
+                f"task {task_id!r} has no description; in agent mode it is the model's user message, so register "
+                "the task with one"
+            )
+        reward = request.reward
+        if isinstance(reward, VerifierReward):
+            call = reward.call
+            if reward.answer_argument is not None:
+                call = ToolCall(name=call.name, arguments={**call.arguments, reward.answer_argument: ""})
+            self._check_call(call, "reward.call")
+        tools = request.tools
+        if tools is None:
+            if self._spec is None:
+                raise ConfigError(
+                    "tools: the service has no workspace spec to derive the model's tools from; give them as "
+                    'OpenAI function tools ({"type": "function", "function": {"name", "parameters"}})'
+                )
+            skip = [reward.call.name] if isinstance(reward, VerifierReward) else []
+            tools = tools_from_spec(self._spec, exclude=skip)
+        model = request.model
+        if model.api_key is None:  # never forward a key of the service to a URL a client names
+            model = msgspec.structs.replace(model, api_key="")
+        answers: dict[RolloutKey, str] = {}
+
+        def keep_answer(sample: SampleView, text: str) -> float:
+            answers[sample.rollout] = text
+            return 0.0  # a placeholder: the reward is the verifier's or the fixed one (see _AgentPolicy)
+
+        try:
+            chat = ChatPolicy(model, tools, [entry.task], reward=keep_answer, group_size=request.size,
+                              system_prompt=request.system_prompt, seed=request.seed)
+        except ConfigError as exc:
+            raise ConfigError(f"agent run: {exc}") from None
+        try:
+            await self._reserve(request.size, request.wait)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await chat.aclose()
+            raise
+        number = next(self._group_ids)
+        run = _Run(f"r{number}", number, entry, request, chat, answers)
+        run.scheduler = Scheduler(
+            self._backend, _AgentPolicy(run, self._check_call), self._sched_cfg,
+            selector=entry.selector if self._sched_cfg.speculation else None,
+            cacheable=entry.cacheable,
+            speculation=self._speculation,
+            plan=TrainingPlan([[[(t.key, entry.task) for t in run.trajectories]]]),
+            on_progress=lambda done, total: self._collect_run(run),
+            on_step=lambda key, record: self._on_run_step(run, key, record),
+            tree=self._tree,
+        )
+        self._open += request.size
+        self._runs[run.id] = run
+        entry.runs[run.id] = run
+        run.emit(RunStarted(run=run.id, task=task_id, size=request.size, model=request.model.model,
+                            rollouts=[str(t.key) for t in run.trajectories], time=run.now()))
+        self._tg.start_soon(self._run_agent, run)
+        return run.info()
+
+    async def _run_agent(self, run: _Run) -> None:
+        assert run.scheduler is not None
+        try:
+            with run.scope:
+                self.metrics.on_run(await run.scheduler.run())
+        except Exception as exc:  # the root could not be made, or a policy broke its contract
+            run.error = _describe(exc)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await run.chat.aclose()
+            why = run.error or run.cancelled or "the run ended before it"
+            for t in run.trajectories:
+                self._end_trajectory(run, t, run.scheduler.result(t.key), why)
+            counts = {"done": 0, "failed": 0, "cancelled": 0}
+            for t in run.trajectories:
+                counts[t.status] += 1
+            run.emit(RunEnded(run=run.id, cancelled=run.cancelled is not None, trajectories=counts,
+                              error=run.error, time=run.now()))
+            run.done.set()
+            self._forget_old_run(run)
+
+    def _on_run_step(self, run: _Run, key: RolloutKey, record: StepRecord) -> None:
+        run.by_key[key].records.append(record)
+        self._steps[record.source] += 1
+        self.metrics.on_step(key, record)
+
+    def _collect_run(self, run: _Run) -> None:
+        """A sample of *run* ended: end its trajectory (its workspace is released by now)."""
+        assert run.scheduler is not None
+        for t in run.trajectories:
+            if t.status == "running":
+                result = run.scheduler.result(t.key)
+                if result is not None:
+                    self._end_trajectory(run, t, result, "ended")
+
+    def _end_trajectory(self, run: _Run, t: _Trajectory, result: RolloutResult | None, why: str) -> None:
+        if t.status != "running":
+            return
+        if result is not None:
+            self.metrics.on_rollout(result)
+        if result is not None and result.status == "done":
+            t.status = "done"
+        elif result is not None and result.status == "failed":
+            t.status, t.error = "failed", result.error
+        elif run.cancelled is not None:
+            t.status, t.error = "cancelled", run.cancelled
+        else:
+            t.status, t.error = ("failed", why) if run.error is not None else ("cancelled", why)
+        if t.status != "done":
+            t.reward = None
+        self._open -= 1
+        self._trajectories_ended[t.status] += 1
+        self._capacity_changed()
+        run.emit(TrajectoryEvent(
+            run=run.id, sample=t.sample, status=t.status, steps=len(t.steps), answer=t.answer,
+            truncated=t.truncated, reward=t.reward, reward_source=run.source, error=t.error, time=run.now(),
+        ))
+
+    def _forget_old_run(self, run: _Run) -> None:
+        self._ended_runs.append(run)
+        while len(self._ended_runs) > self._cfg.keep_ended:
+            old = self._ended_runs.popleft()
+            self._runs.pop(old.id, None)
+            old.entry.runs.pop(old.id, None)
+
+    def run_info(self, run_id: str) -> RunInfo:
+        """An agent-mode run and its trajectories so far (:class:`NotFoundError` if none)."""
+        return self._run(run_id).info()
+
+    def run_events(self, run_id: str) -> AsyncIterator[bytes]:
+        """The run's events as newline-terminated JSON: every one so far, then each new one as
+        it comes, until its ``ended`` event (:class:`NotFoundError` if there is no such run).
+        A reader that stops early does not affect the run."""
+        return self._run(run_id).stream()
+
+    async def cancel_run(self, run_id: str) -> RunInfo:
+        """Cancel the run: its trajectories still running end ``cancelled`` (model requests in
+        flight are dropped), and every workspace they hold is released before this returns."""
+        run = self._run(run_id)
+        if not run.done.is_set():
+            run.cancelled = f"cancelled (DELETE {API_PREFIX}/runs/{run.id})"
+            run.scope.cancel()
+            await run.done.wait()
+        return run.info()
+
     # -- the whole ----------------------------------------------------------------------------------
 
     def statistics(self) -> ServiceStatistics:
@@ -975,6 +1540,8 @@ class Service:
             sessions_ended=dict(self._ended),
             steps=dict(self._steps),
             refused=self._refused,
+            runs_open=sum(not r.done.is_set() for r in self._runs.values()),
+            trajectories_ended=dict(self._trajectories_ended),
             live_workspaces=self._backend.live_workspaces(),
             live_handles=self._backend.live_handles(),
             working_set=self._backend.working_set(),
@@ -983,8 +1550,9 @@ class Service:
         )
 
     async def aclose(self) -> None:
-        """End every session (``closed``, reason: the service shut down) and wait until their
-        workspaces are released; new groups are refused from now on."""
+        """End every session (``closed``, reason: the service shut down) and cancel every
+        agent-mode run, and wait until their workspaces are released; new groups and runs are
+        refused from now on."""
         self._closing = True
         self._capacity_changed()
         with anyio.CancelScope(shield=True):
@@ -992,8 +1560,14 @@ class Service:
                 if not group.done.is_set():
                     group.closing = "the service shut down"
                     group.scope.cancel()
+            for run in list(self._runs.values()):
+                if not run.done.is_set():
+                    run.cancelled = "the service shut down"
+                    run.scope.cancel()
             for group in list(self._groups.values()):
                 await group.done.wait()
+            for run in list(self._runs.values()):
+                await run.done.wait()
 
 
 @contextlib.asynccontextmanager
@@ -1059,10 +1633,11 @@ def _error_response(exc: Exception) -> Any:
 def create_app(service: Service) -> Any:
     """The Litestar app serving *service* under :data:`API_PREFIX`, with its OpenAPI document
     at ``/schema/openapi.json``."""
-    from litestar import Litestar, Request, Router, delete, get, post
+    from litestar import Litestar, MediaType, Request, Response, Router, delete, get, post
     from litestar.logging import LoggingConfig
     from litestar.openapi import OpenAPIConfig
     from litestar.params import FromPath, JSONBody
+    from litestar.response import Stream
 
     from . import __version__
 
@@ -1135,6 +1710,27 @@ def create_app(service: Service) -> Any:
     async def close_session(session_id: FromPath[str], data: JSONBody[CloseRequest]) -> SessionInfo:
         return await service.close_session(session_id, data.reward)
 
+    @post("/tasks/{task_id:str}/runs", status_code=201,
+          summary="Start an agent-mode run: the service drives a group of trajectories with the model")
+    async def start_run(task_id: FromPath[str], data: JSONBody[RunRequest]) -> Response[Any]:
+        run = await service.start_run(task_id, data)
+        headers = {"Location": f"{API_PREFIX}/runs/{run.id}"}
+        if data.stream:
+            return Stream(service.run_events(run.id), media_type=_NDJSON, status_code=201, headers=headers)
+        return Response(run, status_code=201, headers=headers, media_type=MediaType.JSON)
+
+    @get("/runs/{run_id:str}", summary="An agent-mode run and its trajectories")
+    async def get_run(run_id: FromPath[str]) -> RunInfo:
+        return service.run_info(run_id)
+
+    @get("/runs/{run_id:str}/events", summary="The run's events, newline-delimited JSON, as they happen")
+    async def run_events(run_id: FromPath[str]) -> Stream:
+        return Stream(service.run_events(run_id), media_type=_NDJSON)
+
+    @delete("/runs/{run_id:str}", status_code=200, summary="Cancel an agent-mode run and release what it holds")
+    async def cancel_run(run_id: FromPath[str]) -> RunInfo:
+        return await service.cancel_run(run_id)
+
     @get("/metrics", summary="Prometheus metrics", media_type="text/plain; version=0.0.4; charset=utf-8",
          include_in_schema=False)
     async def metrics() -> bytes:
@@ -1142,8 +1738,8 @@ def create_app(service: Service) -> Any:
 
     api = Router(API_PREFIX, route_handlers=[
         health, stats, register_task, list_tasks, get_task, delete_task, open_group, get_group, close_group,
-        get_session, step, close_session,
-    ])
+        get_session, step, close_session, start_run, get_run, run_events, cancel_run,
+    ], signature_namespace={"Response": Response, "Stream": Stream})
     return Litestar(
         route_handlers=[api, metrics],
         exception_handlers={BunshinError: lambda request, exc: _error_response(exc)},
@@ -1152,7 +1748,8 @@ def create_app(service: Service) -> Any:
         openapi_config=OpenAPIConfig(
             title="Bunshin rollout service", version=__version__,
             description="Environment mode: tasks, groups of forked sessions, steps served from the prefix "
-            "tree, a speculative branch or execution. See docs/serve.md.",
+            "tree, a speculative branch or execution. Agent mode: runs whose trajectories the service drives "
+            "with an OpenAI-compatible model. See docs/serve.md.",
         ),
     )
 
