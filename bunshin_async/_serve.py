@@ -37,8 +37,8 @@ structs; the OpenAPI document is at ``/schema/openapi.json``) served by uvicorn 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
+import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Annotated, Any, Literal
@@ -128,6 +128,11 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scheduler: SchedulerConfig | None = None
     """The scheduler options of every group run (None: :meth:`default_scheduler`);
     ``batch_tasks``, ``group_size``, ``mode`` and ``max_concurrent`` are set per group."""
+    journal: str | None = None
+    """A file where the service keeps the ids of its open sessions and agent runs (rewritten
+    atomically as they open and end). A service started on the journal a killed one left
+    reports those as lost: ``GET /v1/sessions/{id}`` answers ``failed`` with the reason, a step
+    or close on them is 409, and ``/v1/stats`` counts them. None keeps no journal."""
 
     @staticmethod
     def default_scheduler() -> SchedulerConfig:
@@ -299,6 +304,21 @@ class SessionInfo(msgspec.Struct, frozen=True):
     """Why the session ended, unless it was closed with a reward."""
 
 
+class _JournalSession(msgspec.Struct, frozen=True, array_like=True):
+    group: str
+    task: str
+    rollout: str
+
+
+class _Journal(msgspec.Struct, frozen=True):
+    """What :attr:`ServeConfig.journal` holds: the service's open sessions and runs."""
+
+    pid: int
+    next_group: int
+    sessions: dict[str, _JournalSession]
+    runs: list[str]
+
+
 class LimitsInfo(msgspec.Struct, frozen=True):
     """The service's limits."""
 
@@ -337,6 +357,9 @@ class ServiceStatistics(msgspec.Struct, frozen=True):
     """Agent-mode runs still running."""
     trajectories_ended: dict[str, int] = {}
     """Agent-mode trajectories ended, by status (``done``, ``failed``, ``cancelled``)."""
+    lost: int = 0
+    """Sessions and agent runs a previous, killed service left open (see
+    :attr:`ServeConfig.journal`)."""
 
 
 # -- agent mode: request, response and event bodies ---------------------------------------------
@@ -1022,7 +1045,8 @@ class Service:
         self._runs: dict[str, _Run] = {}
         self._ended_runs: deque[_Run] = deque()
         self._trajectories_ended = {"done": 0, "failed": 0, "cancelled": 0}
-        self._group_ids = itertools.count()
+        self._lost: dict[str, SessionInfo | str] = {}  # id -> a lost session, or why a run was lost
+        self._next_group = self._read_journal()  # group and run numbers (ids gN, rN)
         self._open = 0  # sessions not yet ended
         self._capacity = anyio.Event()
         self._closing = False
@@ -1032,6 +1056,7 @@ class Service:
         self.metrics = RolloutMetrics()
         """Prometheus metrics of the service (``GET /metrics``)."""
         self.metrics.watch("service", self._backend, self._workspaces)
+        self._save_journal()
 
     @property
     def config(self) -> ServeConfig:
@@ -1061,7 +1086,51 @@ class Service:
         try:
             return self._sessions[session_id]
         except KeyError:
+            lost = self._lost.get(session_id)
+            if isinstance(lost, SessionInfo):
+                raise StateConflictError(f"session {session_id} was lost: {lost.reason}") from None
             raise NotFoundError(f"no session {session_id!r} (never opened, or ended long ago and forgotten)") from None
+
+    # -- the journal ------------------------------------------------------------------------------
+
+    def _read_journal(self) -> int:
+        """Load what a killed service left in the journal; return the next group number."""
+        path = self._cfg.journal
+        if path is None or not os.path.exists(path):
+            return 0
+        try:
+            with open(path, "rb") as f:
+                old = msgspec.json.decode(f.read(), type=_Journal)
+        except (OSError, msgspec.DecodeError) as exc:
+            raise ConfigError(f"journal {path}: cannot read it ({exc}); remove it to start afresh") from None
+        why = (f"the service (pid {old.pid}) stopped while it was open (killed or crashed); "
+               "its workspace was removed when the service restarted")
+        for sid, j in old.sessions.items():
+            self._lost[sid] = SessionInfo(id=sid, group=j.group, task=j.task, rollout=j.rollout, status="failed",
+                                          steps=0, served_by={}, reason=why)
+        for rid in old.runs:
+            self._lost[rid] = why
+        return old.next_group
+
+    def _save_journal(self) -> None:
+        path = self._cfg.journal
+        if path is None:
+            return
+        sessions = {
+            s.id: _JournalSession(s.group.id, s.group.entry.task.id, str(s.key))
+            for s in self._sessions.values() if not s.terminal
+        }
+        runs = [r.id for r in self._runs.values() if not r.done.is_set()]
+        data = msgspec.json.encode(_Journal(os.getpid(), self._next_group, sessions, runs))
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    def _new_number(self) -> int:
+        number = self._next_group
+        self._next_group += 1
+        return number
 
     def _check_call(self, call: ToolCall, where: str) -> None:
         if self._spec is not None:
@@ -1210,7 +1279,7 @@ class Service:
         size = request.size
         self._check_size(size)
         await self._reserve(size, request.wait)
-        number = next(self._group_ids)
+        number = self._new_number()
         group = _Group(f"g{number}", number, entry, size, self._steps)
         group.scheduler = Scheduler(
             self._backend, ExternalPolicy(group.by_key, cfg.idle_timeout), self._sched_cfg,
@@ -1227,6 +1296,7 @@ class Service:
         entry.groups[group.id] = group
         for s in group.sessions:
             self._sessions[s.id] = s
+        self._save_journal()
         self._tg.start_soon(self._run_group, group)
         for s in group.sessions:
             await s.ready.wait()
@@ -1273,6 +1343,7 @@ class Service:
             self._open -= 1
             self._ended[s.status] = self._ended.get(s.status, 0) + 1
             self._capacity_changed()
+            self._save_journal()
 
     def _forget_old(self, group: _Group) -> None:
         self._ended_groups.append(group)
@@ -1300,7 +1371,11 @@ class Service:
     # -- sessions ---------------------------------------------------------------------------------
 
     def session_info(self, session_id: str) -> SessionInfo:
-        """A session (:class:`NotFoundError` if none)."""
+        """A session (:class:`NotFoundError` if none); a session a killed service left open
+        is reported ``failed`` (see :attr:`ServeConfig.journal`)."""
+        lost = self._lost.get(session_id)
+        if isinstance(lost, SessionInfo) and session_id not in self._sessions:
+            return lost
         return self._session(session_id).info()
 
     def _check_open(self, s: _Session, what: str) -> None:
@@ -1367,6 +1442,9 @@ class Service:
         try:
             return self._runs[run_id]
         except KeyError:
+            lost = self._lost.get(run_id)
+            if isinstance(lost, str):
+                raise StateConflictError(f"run {run_id} was lost: {lost}") from None
             raise NotFoundError(f"no run {run_id!r} (never started, or ended long ago and forgotten)") from None
 
     async def start_run(self, task_id: str, request: RunRequest) -> RunInfo:
@@ -1423,7 +1501,7 @@ class Service:
             with anyio.CancelScope(shield=True):
                 await chat.aclose()
             raise
-        number = next(self._group_ids)
+        number = self._new_number()
         run = _Run(f"r{number}", number, entry, request, chat, answers)
         run.scheduler = Scheduler(
             self._backend, _AgentPolicy(run, self._check_call), self._sched_cfg,
@@ -1438,6 +1516,7 @@ class Service:
         self._open += request.size
         self._runs[run.id] = run
         entry.runs[run.id] = run
+        self._save_journal()
         run.emit(RunStarted(run=run.id, task=task_id, size=request.size, model=request.model.model,
                             rollouts=[str(t.key) for t in run.trajectories], time=run.now()))
         self._tg.start_soon(self._run_agent, run)
@@ -1462,6 +1541,7 @@ class Service:
             run.emit(RunEnded(run=run.id, cancelled=run.cancelled is not None, trajectories=counts,
                               error=run.error, time=run.now()))
             run.done.set()
+            self._save_journal()
             self._forget_old_run(run)
 
     def _on_run_step(self, run: _Run, key: RolloutKey, record: StepRecord) -> None:
@@ -1542,6 +1622,7 @@ class Service:
             refused=self._refused,
             runs_open=sum(not r.done.is_set() for r in self._runs.values()),
             trajectories_ended=dict(self._trajectories_ended),
+            lost=len(self._lost),
             live_workspaces=self._backend.live_workspaces(),
             live_handles=self._backend.live_handles(),
             working_set=self._backend.working_set(),

@@ -9,6 +9,7 @@ test runs it on real workspaces (root only).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 from bunshin_async import (
     BackendError,
     CallContext,
+    ConfigError,
     MemoryProfile,
     Rollout,
     SchedulerConfig,
@@ -562,3 +564,53 @@ def test_live_workspaces_behind_the_api(state) -> None:
             assert backend.live_handles() == 0
 
     anyio.run(main)
+
+
+def test_a_restarted_service_reports_the_sessions_a_killed_one_left(tmp_path) -> None:
+    journal = str(tmp_path / "journal.json")
+    config = ServeConfig(journal=journal)
+
+    async def first() -> tuple[bytes, list[str]]:
+        async with serving(config) as (client, _):
+            await register(client)
+            group = await open_group(client, size=2)
+            await do(client, group["sessions"][0], A)
+            with open(journal, "rb") as f:
+                left = f.read()  # what a SIGKILL now would leave behind
+            return left, group["sessions"]
+
+    left, sessions = run(first)
+    with open(journal, "rb") as f:
+        assert json.loads(f.read())["sessions"] == {}  # a clean shutdown leaves nothing open
+    with open(journal, "wb") as f:
+        f.write(left)
+
+    async def second() -> None:
+        async with serving(config) as (client, _):
+            for sid in sessions:
+                info = (await client.get(f"/sessions/{sid}")).json()
+                assert info["status"] == "failed" and "stopped while it was open" in info["reason"]
+                assert info["task"] == "t"
+            r = await client.post(f"/sessions/{sessions[0]}/step", json={"call": {"name": "shell", "arguments": {"cmd": "a"}}})
+            assert r.status_code == 409 and "was lost" in r.json()["detail"]
+            assert (await stats(client))["lost"] == 2
+            await register(client)
+            group = await open_group(client, size=1)
+            assert not set(group["sessions"]) & set(sessions)  # new ids never reuse lost ones
+            await close(client, group["sessions"][0])
+
+    run(second)
+    with open(journal, "w") as f:
+        f.write("{not json")
+
+    async def third() -> None:
+        async with serving(config):
+            pass
+
+    with pytest.raises(BaseException) as info:
+        run(third)
+    leaves, todo = [], [info.value]
+    while todo:
+        e = todo.pop()
+        todo.extend(e.exceptions) if isinstance(e, BaseExceptionGroup) else leaves.append(e)
+    assert any(isinstance(e, ConfigError) and "cannot read it" in str(e) for e in leaves)
