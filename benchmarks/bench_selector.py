@@ -6,7 +6,8 @@ Usage: python benchmarks/bench_selector.py [TAU_BENCH_JSON]
 1. Leave-one-trial-out on the imported tau-bench sample: most-frequent-call, name-bigram,
    history and blend predictors (top-1/top-3 on name and name+arguments, ECE, latency).
    Target: blend name+arguments top-1 at least 15 points above name-bigram name-only top-1;
-   blend p99 latency under 1 ms.
+   blend p99 latency under 1 ms. Then the ceiling: the share of held-out calls any predictor
+   that builds calls from other trials, earlier calls and earlier observations could produce.
 2. Simulator: the selectors are fitted on trials 0-1 (recordings of an earlier run) and the
    run replays trials 2-3, policy ``spec`` on the bunshin engine, against ``base``.
 """
@@ -42,6 +43,41 @@ def split(trace, trials):
     return msgspec.structs.replace(trace, rollouts=rollouts, meta=meta)
 
 
+def ceiling(trace, target: float) -> None:
+    """How high any name+arguments top-1 could go on *trace*, leave one trial out: the share
+    of held-out calls made exactly in another trial of the task, and of calls whose every
+    argument value appeared before (in another trial of the task, an earlier call or an
+    earlier observation of the same trial). A value found nowhere came from outside the
+    workspace (in tau-bench, the user's messages, which a trace does not record), so no
+    predictor that sees calls and observations can produce it."""
+    import json
+
+    from bunshin_async import call_key, loto_folds
+
+    index = observation_index(trace)
+    n = seen = constructible = 0
+    for held, train in loto_folds(trace):
+        mates = [r for r in train.rollouts if r.task == held.task]
+        known = {call_key(s.call) for r in mates for s in r.steps}
+        values = {json.dumps(v, sort_keys=True) for r in mates for s in r.steps for v in s.call.arguments.values()}
+        for i, step in enumerate(held.steps):
+            n += 1
+            if call_key(step.call) in known:
+                seen += 1
+                constructible += 1
+                continue
+            before = set(values)
+            for c in held.steps[:i]:
+                before |= {json.dumps(v, sort_keys=True) for v in c.call.arguments.values()}
+                for v in index.get(c.observation_digest, ()):
+                    before |= {json.dumps(v, sort_keys=True), str(v)}
+            constructible += all(json.dumps(v, sort_keys=True) in before or str(v) in before
+                                 for v in step.call.arguments.values())
+    print(f"ceiling: {seen / n:.1%} of held-out calls were made exactly in another trial of the task; "
+          f"{constructible / n:.1%} have every argument value available before them "
+          f"(the most any call@1 could reach here; the target needs {target:.1%})")
+
+
 def main() -> None:
     trace = import_openai(SAMPLE)
     steps = sum(len(r.steps) for r in trace.rollouts)
@@ -58,6 +94,7 @@ def main() -> None:
     print(f"blend call@1 - name-bigram name@1 = {gap:+.1f} points (target >= +15): {'met' if gap >= 15 else 'MISSED'}")
     print(f"blend p99 latency {blend.latency_p99_us:.0f} us (target < 1000 us): "
           f"{'met' if blend.latency_p99_us < 1000 else 'MISSED'}")
+    ceiling(trace, bigram.top1_name + 0.15)
     print(f"blend call@1 / history call@1 = {blend.top1_call / max(scores['history'].top1_call, 1e-9):.2f}x")
 
     print("\n2. simulator: fit on trials 0-1, replay trials 2-3 (engine bunshin)")
