@@ -3,6 +3,9 @@
 With ``--spec FILE`` (the default: the bundled workspace spec) sessions run in real workspaces
 (root only); with ``--sim TRACE`` they run in the simulator's backend on the trace's tool
 outcomes, in real time (for tests and demos). See docs/serve.md.
+
+With ``--ray [ADDRESS]`` the service scales out over a Ray cluster: one service per node, this
+process a router in front of them (see docs/ray.md).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
                          idle_timeout=args.idle_timeout, max_wait=args.max_wait,
                          scheduler=SchedulerConfig.preset(args.policy, **over))
     config.check()
+    if args.ray is not None:
+        return _serve_ray(args, config, console)
 
     async def serve(backend: Any, **options: Any) -> None:
         async with open_service(backend, config, **options) as service:
@@ -80,6 +85,50 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _serve_ray(args: argparse.Namespace, config: Any, console: Console) -> int:
+    """``bunshin serve --ray``: one service per node of a Ray cluster, and the router here."""
+    import os
+
+    import anyio
+
+    from ._ray import (
+        LiveNodeBackend,
+        SimNodeBackend,
+        create_router_app,
+        open_ray_service,
+    )
+    from ._serve import open_http_server
+
+    backend: SimNodeBackend | LiveNodeBackend
+    if args.sim:
+        from ._trace import encode_trace, load_trace
+
+        backend = SimNodeBackend(encode_trace(load_trace(args.sim)), engine=args.engine)
+    else:
+        from ._cmd_live import default_spec_path
+
+        backend = LiveNodeBackend(os.path.abspath(args.spec or default_spec_path()), state_dir=args.state_dir)
+
+    async def main() -> None:
+        address = None if args.ray == "local" else args.ray
+        async with open_ray_service(backend, config, address=address) as router:
+            async with open_http_server(create_router_app(router), host=args.host, port=args.port) as server:
+                where = ", ".join(f"{n.name} on {n.url}" for n in router.nodes)
+                _say(console, f"bunshin serve --ray: {len(router.nodes)} node{'s' * (len(router.nodes) != 1)} ({where}), listening on {server.url}; "
+                              f"API under {server.url}/v1; stop with Ctrl-C")
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for sig in signals:
+                        _say(console, f"bunshin serve --ray: {signal.Signals(sig).name}: closing every node's sessions")
+                        break
+        left = {n.name: n.left for n in router.nodes}
+        _say(console, f"bunshin serve --ray: stopped {len(left)} node{'s' * (len(left) != 1)}; workspace handles left per node: "
+                      + ", ".join(f"{name} {'lost' if n is None else n}" for name, n in left.items())
+                      + f"; {sum(n or 0 for n in left.values())} workspace handles left")
+
+    anyio.run(main)
+    return 0
+
+
 def register(sub: argparse._SubParsersAction, trace_sub: argparse._SubParsersAction) -> None:
     """Add ``bunshin serve`` to the ``bunshin`` parser."""
     p = sub.add_parser("serve", help="serve workspaces over an HTTP API (environment mode; see docs/serve.md)")
@@ -99,5 +148,8 @@ def register(sub: argparse._SubParsersAction, trace_sub: argparse._SubParsersAct
     p.add_argument("--hot-budget", type=parse_bytes, help="prefix-tree hot tier budget, shared by all tasks (default 32GiB)")
     p.add_argument("--cold-budget", type=parse_bytes, help="prefix-tree cold tier budget (default 256GiB)")
     p.add_argument("--spec-budget", type=int, help="speculative branches at once per group (default 32)")
+    p.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                   help="scale out over a Ray cluster: one service per node, a router here (ADDRESS: a running "
+                        "cluster, default auto; 'local' starts a one-node Ray here; see docs/ray.md)")
     p.add_argument("--state-dir", help="live: state directory (default $BUNSHIN_STATE_DIR or /run/bunshin)")
     p.set_defaults(fn=cmd_serve)
