@@ -11,8 +11,11 @@ process a router in front of them (see docs/ray.md).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 from typing import Any
+
+import msgspec
 
 from rich.console import Console
 
@@ -42,8 +45,13 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     if args.ray is not None:
         return _serve_ray(args, config, console)
 
-    async def serve(backend: Any, **options: Any) -> None:
-        async with open_service(backend, config, **options) as service:
+    async def serve(backend: Any, journal: str | None, **options: Any) -> None:
+        cfg = msgspec.structs.replace(config, journal=journal)
+        async with open_service(backend, cfg, **options) as service:
+            lost = service.statistics().lost
+            if lost:
+                _say(console, f"bunshin serve: {lost} sessions or runs were left open by a service that was killed; "
+                              f"they are reported as failed (journal {journal})")
             async with open_http_server(create_app(service), host=args.host, port=args.port) as server:
                 _say(console, f"bunshin serve: {backend.engine} backend, listening on {server.url}{' (simulated)' if args.sim else ''}; "
                               f"API under {server.url}/v1, OpenAPI document at {server.url}/schema/openapi.json; "
@@ -68,7 +76,7 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
                                - {s.call.name for r in trace.rollouts for s in r.steps if not s.cacheable})
             backend = SimBackend(args.engine, ToolModel(trace))
             try:
-                await serve(backend, tasks=trace.task_map(), cacheable=cacheable)
+                await serve(backend, args.journal, tasks=trace.task_map(), cacheable=cacheable)
             finally:
                 await backend.aclose()
         else:
@@ -78,8 +86,10 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
             from ._state import StateDir
 
             spec = load_spec(args.spec or default_spec_path())
-            async with LiveBackend(spec, state=StateDir(args.state_dir)) as backend:
-                await serve(backend, spec=spec)
+            state = StateDir(args.state_dir)
+            journal = args.journal or os.path.join(state.path, "serve-journal.json")
+            async with LiveBackend(spec, state=state) as backend:  # removes what a killed service left
+                await serve(backend, journal, spec=spec)
 
     anyio.run(main)
     return 0
@@ -87,7 +97,6 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
 
 def _serve_ray(args: argparse.Namespace, config: Any, console: Console) -> int:
     """``bunshin serve --ray``: one service per node of a Ray cluster, and the router here."""
-    import os
 
     import anyio
 
@@ -152,4 +161,7 @@ def register(sub: argparse._SubParsersAction, trace_sub: argparse._SubParsersAct
                    help="scale out over a Ray cluster: one service per node, a router here (ADDRESS: a running "
                         "cluster, default auto; 'local' starts a one-node Ray here; see docs/ray.md)")
     p.add_argument("--state-dir", help="live: state directory (default $BUNSHIN_STATE_DIR or /run/bunshin)")
+    p.add_argument("--journal", metavar="FILE",
+                   help="where to keep the ids of open sessions, so that a restart reports those a killed service "
+                        "left (default: serve-journal.json in the state directory when live; none with --sim)")
     p.set_defaults(fn=cmd_serve)

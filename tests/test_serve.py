@@ -614,3 +614,54 @@ def test_a_restarted_service_reports_the_sessions_a_killed_one_left(tmp_path) ->
         e = todo.pop()
         todo.extend(e.exceptions) if isinstance(e, BaseExceptionGroup) else leaves.append(e)
     assert any(isinstance(e, ConfigError) and "cannot read it" in str(e) for e in leaves)
+
+
+def _start_serve(*args: str) -> tuple[Any, str]:
+    """``bunshin serve`` as a process of its own; returns it and its API URL."""
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "bunshin_async._cli", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    seen = ""
+    for line in proc.stdout:
+        seen += line
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        if m is not None:
+            return proc, m.group(1) + "/v1"
+    proc.wait()
+    raise AssertionError(f"bunshin serve did not start: {seen}")
+
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="live workspaces need root")
+@pytest.mark.usefixtures("leak_check")
+def test_a_killed_live_service_leaves_nothing_and_its_restart_reports_the_lost_sessions(state) -> None:
+    import signal
+
+    pytest.importorskip("bunshin_async._bunshin_c")
+    proc, url = _start_serve("--state-dir", state.path)
+    try:
+        with httpx.Client(base_url=url, trust_env=False, timeout=60) as client:
+            client.post("/tasks", json={"id": "k", "description": "a task"}).raise_for_status()
+            group = client.post("/tasks/k/groups", json={"size": 2}).json()
+            r = client.post(f"/sessions/{group['sessions'][0]}/step",
+                            json={"call": {"name": "shell", "arguments": {"command": "echo hi > /tmp/x"}}})
+            assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGKILL)  # no clean-up of its own: workspaces, cgroups, layers stay
+        proc.communicate()
+    proc, url = _start_serve("--state-dir", state.path)  # its backend removes what the killed one left
+    try:
+        with httpx.Client(base_url=url, trust_env=False, timeout=60) as client:
+            for sid in group["sessions"]:
+                info = client.get(f"/sessions/{sid}").json()
+                assert info["status"] == "failed" and "stopped while it was open" in info["reason"]
+            assert client.get("/stats").json()["lost"] == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "0 workspace handles left" in out
