@@ -10,7 +10,13 @@ Replies are :class:`ExecResult`, :class:`Pong` or :class:`AgentError`.
 The agent is a blocking loop (no asyncio: it runs in a forked copy of the controller, which
 may have had an event loop running). It waits on the socket and on SIGCHLD (a wakeup pipe),
 reaps every child, orphans included (pid 1's duty), and exits when the socket closes, which
-kills the whole pid namespace.
+kills the whole pid namespace. It waits with ``poll()`` (no epoll fd): a tree fork
+(``BUNSHIN_IOC_FORK_TREE``) refuses an epoll fd, and a frozen agent is forked while it waits.
+
+A workspace forked from a frozen process tree (the ``bunshin`` and ``criu`` engines of the
+live backend) has a clone of the agent as its pid 1, resumed where it waited, on a new socket
+the controller substituted for its own; the controller's first request, :class:`Forked`, has it
+mount a ``/proc`` of its new pid namespace (its holder, outside that namespace, could not).
 
 A persistent session is a shell reading commands from a pipe. A command is sent as::
 
@@ -43,6 +49,7 @@ __all__ = [
     "Boot",
     "Exec",
     "ExecResult",
+    "Forked",
     "Ping",
     "Pong",
     "Ready",
@@ -78,6 +85,13 @@ class Ping(msgspec.Struct, tag="ping"):
     """Ask whether the agent is alive."""
 
 
+class Forked(msgspec.Struct, tag="forked"):
+    """Sent first to the clone of an agent: mount a ``/proc`` for the pid namespace it is
+    now the init of (over whatever is at ``/proc``), then answer with :class:`Pong`."""
+
+    proc: bool = True
+
+
 class Boot(msgspec.Struct, tag="boot"):
     """Sent once by the controller after the agent's process is placed in its cgroups: how
     to set the workspace up (see :func:`bunshin_async._container._child_main`)."""
@@ -96,6 +110,9 @@ class Boot(msgspec.Struct, tag="boot"):
     root_overlay: str | None = None
     """Mount the root (the last lowerdir) first as a read-only overlay here, and stack that:
     overlayfs refuses a layer below another layer's directory (the host root holds them all)."""
+    proc: bool = True
+    """Mount ``/proc``. A holder (the parent of a forked workspace's pid 1, outside its pid
+    namespace) does not: the agent's clone mounts it on :class:`Forked`."""
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -142,7 +159,7 @@ class AgentError(msgspec.Struct, tag="error"):
     message: str
 
 
-Request = Exec | Shell | Ping
+Request = Exec | Shell | Ping | Forked
 Reply = Ready | Pong | ExecResult | AgentError
 
 _HEADER = struct.Struct(">I")
@@ -300,7 +317,7 @@ class _Agent:
         """Pump *proc*'s pipes into the sinks until it ends (or, with *until_markers*, until both
         markers arrived), killing its process group at *timeout*. Returns (exit status or None
         if it still runs, timed out)."""
-        sel = selectors.DefaultSelector()
+        sel = selectors.PollSelector()
         streams = {proc.stdout: out, proc.stderr: err}
         for f in streams:
             os.set_blocking(f.fileno(), False)  # type: ignore[union-attr]
@@ -435,8 +452,21 @@ class _Agent:
             if proc.returncode is None:
                 proc.returncode = -signal.SIGKILL
 
+    def forked(self, req: Forked) -> Pong | AgentError:
+        if req.proc:
+            from . import _bunshin_c as c
+
+            try:
+                with contextlib.suppress(OSError):
+                    c.umount2("/proc", c.MNT_DETACH)
+                c.mount("proc", "/proc", "proc", c.MS_NOSUID | c.MS_NODEV | c.MS_NOEXEC)
+            except OSError as exc:
+                return AgentError("setup", f"cannot mount /proc in the forked workspace: {exc}")
+        self.reap()
+        return Pong(sorted(n for n, p in self.sessions.items() if p.returncode is None), self.init_status)
+
     def loop(self) -> None:
-        sel = selectors.DefaultSelector()
+        sel = selectors.PollSelector()
         sel.register(self.sock, selectors.EVENT_READ)
         sel.register(self.wake_r, selectors.EVENT_READ)
         while True:
@@ -455,6 +485,8 @@ class _Agent:
                     reply: Any = self.exec(req)
                 elif isinstance(req, Shell):
                     reply = self.shell(req)
+                elif isinstance(req, Forked):
+                    reply = self.forked(req)
                 else:
                     self.reap()
                     reply = Pong(sorted(n for n, p in self.sessions.items() if p.returncode is None), self.init_status)

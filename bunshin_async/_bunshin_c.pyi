@@ -278,8 +278,15 @@ def bunshin_fork(
 
 BUNSHIN_TREE_MAX: Final[int]
 """The most processes one :func:`bunshin_fork_tree` call may fork."""
+BUNSHIN_TREE_SUBST_MAX: Final[int]
+"""The most fd substitutions one :func:`bunshin_fork_tree` call may carry."""
+BUNSHIN_FEATURE_FORK_TREE: Final[int]
+"""Feature bit of :func:`bunshin_version`: ``BUNSHIN_IOC_FORK_TREE`` works."""
+BUNSHIN_FEATURE_TREE_SUBST: Final[int]
+"""Feature bit of :func:`bunshin_version`: :func:`bunshin_fork_tree` takes ``subst`` (ABI 4)."""
 
-def bunshin_fork_tree(fd: int, source_pids: Sequence[int], target_pidfd: int, cgroup_fd: int) -> list[int]:
+def bunshin_fork_tree(fd: int, source_pids: Sequence[int], target_pidfd: int, cgroup_fd: int, *,
+                      subst: Sequence[tuple[int, int, int]] = ()) -> list[int]:
     """``BUNSHIN_IOC_FORK_TREE`` on ``fd``, an open ``/dev/bunshin``; the GIL is released.
 
     Forks a whole frozen process tree into a sibling container. ``source_pids``
@@ -300,13 +307,21 @@ def bunshin_fork_tree(fd: int, source_pids: Sequence[int], target_pidfd: int, cg
     FIFOs reopened at their path in the target, all with their buffered bytes.
     Nothing runs before every clone is made; on an error none is left.
 
+    ``subst`` (``BUNSHIN_TREE_SUBST``, ABI 4) is a sequence of ``(index, fd,
+    caller_fd)``: the clone of ``source_pids[index]`` holds the caller's open
+    file ``caller_fd`` (shared) at ``fd`` instead of a copy of its source's.
+    This is how a controller gives a cloned agent a new channel: the source's
+    end of its socket pair, whose peer is the controller's, would be refused.
+
     Returns:
         The clones' pids in the caller's pid namespace, in the order of
         ``source_pids``.
 
     Raises:
         ValueError: ``source_pids`` is empty, longer than
-            :data:`BUNSHIN_TREE_MAX` or holds a value that is not a pid.
+            :data:`BUNSHIN_TREE_MAX` or holds a value that is not a pid;
+            ``subst`` is longer than :data:`BUNSHIN_TREE_SUBST_MAX`.
+        TypeError: A ``subst`` entry is not ``(index, fd, caller_fd)``.
         ProcessLookupError: No such source or target, or it exited (``ESRCH``).
         PermissionError: The caller lacks ``CAP_SYS_ADMIN`` (``EPERM``), or a
             source's credentials may not move a task into ``cgroup_fd``

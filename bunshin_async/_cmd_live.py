@@ -135,7 +135,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     async def main() -> Any:
         from ._scheduler import Scheduler
 
-        async with LiveBackend(spec, state=_state(args), memory_interval=args.memory_interval) as backend:
+        async with LiveBackend(spec, state=_state(args), memory_interval=args.memory_interval,
+                               engine=args.engine) as backend:
             with Progress(TextColumn(f"live {args.policy}"), BarColumn(), MofNCompleteColumn(),
                           TextColumn("rollouts"), TimeElapsedColumn(), console=console, transient=True,
                           disable=not console.is_terminal) as progress:
@@ -151,11 +152,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             return result, recorded, backend.statistics()
 
     result, recorded, stats = anyio.run(main)
-    _summary(console, trace, "restart (live)", args.policy, result)
+    _summary(console, trace, f"{args.engine} (live)", args.policy, result)
     _say(console, f"live backend: {stats.creates} workspaces booted, {stats.forks} forks "
                   f"({stats.replayed_calls} stateful calls replayed), {stats.snapshots} snapshots, "
                   f"{stats.executions} calls run ({stats.failed_calls} failed), "
-                  f"{stats.demotes} layers archived, {stats.promotes} restored")
+                  f"{stats.demotes} layers archived, {stats.promotes} restored"
+                  + (f"; {stats.tree_forks} process trees forked, workspaces frozen "
+                     f"{stats.frozen_seconds:.3f} s in all (longest {stats.max_frozen_seconds * 1e3:.0f} ms)"
+                     if args.engine != "restart" else ""))
     dump_trace(recorded, args.out)
     _say(console, f"wrote {args.out}: the live trace ({len(recorded.rollouts)} rollouts); replay it with "
                   f"`bunshin replay {args.out}`")
@@ -195,6 +199,9 @@ def register(sub: argparse._SubParsersAction, trace_sub: argparse._SubParsersAct
     p.add_argument("spec", nargs="?", help="workspace spec (default: the bundled examples/workspace.toml)")
     p.add_argument("trace", nargs="?", help="trace whose calls to run (default: a demo trace for the spec)")
     p.add_argument("--policy", choices=("base", "spec", "full"), default="full", help="default full")
+    p.add_argument("--engine", choices=("restart", "bunshin", "criu"), default="restart",
+                   help="how forks are made: restart (boot and replay), bunshin (the kernel module's "
+                        "tree fork), criu; default restart")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-tasks", type=int, help="groups per training step (default 32)")
     p.add_argument("--group-size", type=int, help="samples per group (default: all the trace has)")

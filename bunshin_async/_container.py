@@ -45,6 +45,7 @@ from ._agent import (
     Boot,
     Exec,
     ExecResult,
+    Forked,
     Ping,
     Pong,
     Ready,
@@ -59,7 +60,7 @@ from ._spec import RenderedCall, WorkspaceSpec, render_call
 from ._state import GcReport, Record, StateDir, gc, process_start_time, remove_tree
 from ._trace import ToolCall
 
-__all__ = ["Container", "ExecResult", "GcReport", "MemoryUsage", "StateDir", "gc", "open_container"]
+__all__ = ["Container", "ExecResult", "GcReport", "MemoryUsage", "StateDir", "gc", "open_container", "open_shell"]
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _BOOT_TIMEOUT = 60.0
@@ -109,6 +110,10 @@ class Container:
         self.cgroups = Cgroups(id)
         self.init_pid: int | None = None
         self.pidfd = -1
+        self.agent_fd = -1  # the agent's fd number of its end of the socket pair
+        self.holder_pid: int | None = None  # a forked workspace's holder: the agent's parent
+        self._holder: socket.socket | None = None
+        self._holder_pidfd = -1
         self.veth: str | None = ("bs" + os.urandom(6).hex())[:15] if spec.network.veth else None
         self.record: Record = state.new_record(id, cgroups=self.cgroups.paths, mounts=[self.mountpoint], dirs=[self.dir],
                                                veths=[self.veth] if self.veth else [])
@@ -255,8 +260,8 @@ class Container:
     # -- control from the host --------------------------------------------------------------
 
     def pids(self) -> list[int]:
-        """Host pids of the workspace's processes (agent included)."""
-        return self.cgroups.procs()
+        """Host pids of the workspace's processes (agent included, a holder not)."""
+        return [p for p in self.cgroups.procs() if p != self.holder_pid]
 
     def memory(self) -> MemoryUsage:
         """Memory charged to the workspace now."""
@@ -326,13 +331,22 @@ class Container:
                     self._sock.shutdown(socket.SHUT_RDWR)  # wakes a call still waiting on it
                 self._sock.close()
                 self._sock = None
-        if self.frozen:
-            with contextlib.suppress(OSError):
-                self.cgroups.set_frozen(False)
+        if self._holder is not None:
+            self._holder.close()
+            self._holder = None
+        # Kill before thawing: a frozen workspace (a snapshot) never runs again. A fatal
+        # signal takes a task out of the cgroup freezer.
         with contextlib.suppress(OSError):
             self.cgroups.kill()
+        with contextlib.suppress(OSError):
+            self.cgroups.set_frozen(False)
         if self.init_pid is not None:
             _reap(self.init_pid)
+        if self.holder_pid is not None:
+            _reap(self.holder_pid)
+        if self._holder_pidfd >= 0:
+            os.close(self._holder_pidfd)
+            self._holder_pidfd = -1
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
@@ -447,6 +461,7 @@ async def _open(spec: WorkspaceSpec, layers: tuple[str, ...], name: str | None, 
         ct.cgroups.create(memory=spec.limits.memory, pids=spec.limits.pids)
         ct._limiter = anyio.CapacityLimiter(1)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ct.agent_fd = child.fileno()  # the agent keeps its end at this number
         cgfd = os.open(ct.cgroups.v2, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if ct.cgroups.v2 else -1
         flags = (c.CLONE_NEWPID | c.CLONE_NEWNS | c.CLONE_NEWUTS | c.CLONE_NEWIPC | c.CLONE_NEWNET
                  | c.CLONE_NEWCGROUP | c.CLONE_PIDFD)
@@ -606,6 +621,12 @@ def _child_main(sock: socket.socket) -> NoReturn:
         if boot is None:
             os._exit(0)
         _setup(boot)
+        # stdio again, now from the workspace's own /dev (a tree fork reopens every file at
+        # its path in the clone's root: the controller's /dev/null is outside this one)
+        null = os.open("/dev/null", os.O_RDWR)
+        for i in range(3):
+            os.dup2(null, i)
+        os.close(null)
         serve(sock, boot)
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, then _exit
@@ -635,7 +656,8 @@ def _setup(boot: Boot) -> None:
     c.mount("overlay", r, "overlay", 0, f"lowerdir={':'.join(lowers)},upperdir={boot.upper},workdir={boot.work}")
     nosuid = c.MS_NOSUID | c.MS_NODEV | c.MS_NOEXEC
     os.makedirs(r + "/proc", exist_ok=True)
-    c.mount("proc", r + "/proc", "proc", nosuid)
+    if boot.proc:
+        c.mount("proc", r + "/proc", "proc", nosuid)
     os.makedirs(r + "/dev", exist_ok=True)
     c.mount("tmpfs", r + "/dev", "tmpfs", c.MS_NOSUID | c.MS_NOEXEC, "mode=755,size=65536k")
     for name in ("null", "zero", "full", "random", "urandom", "tty"):
@@ -666,3 +688,227 @@ def _loopback_up() -> None:
         flags = struct.unpack("16sH14x", fcntl.ioctl(s, 0x8913, req))[1]
         fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags | 0x1))
 
+
+
+# --- forked workspaces: a shell whose processes come from a frozen tree ------------------------
+#
+# The ``bunshin`` engine of the live backend makes a workspace in three steps, so the source is
+# frozen only for the middle one: :func:`open_shell` (before freezing the source: record,
+# directories, cgroups, and the *holder*, a process in new mount, UTS, IPC, network and cgroup
+# namespaces waiting for its layers), :func:`mount_shell` (the overlay on the snapshot's layers
+# with a fresh upper, /dev, /sys, the host name, loopback, ``pivot_root``, then
+# ``unshare(CLONE_NEWPID)``: its pid namespace for children is new and empty) and
+# :func:`fork_tree_into` (``BUNSHIN_IOC_FORK_TREE`` of the source's tree, the agent's end of
+# its socket pair replaced by one end of a new pair: the root clone becomes pid 1 of the
+# holder's pid namespace, born in the shell's frozen cgroup). :func:`start_forked` thaws it and
+# has the agent's clone mount its /proc.
+
+
+async def open_shell(spec: WorkspaceSpec, *, name: str | None = None, state: StateDir | None = None) -> Container:
+    """Make the shell of a forked workspace: its record, directories, cgroups and holder.
+
+    Raises:
+        ConfigError: A bad *name*, or a spec the forked workspaces cannot have (``network.veth``).
+        BackendError: It could not be made (everything made so far is removed).
+    """
+    from . import _bunshin_c as c
+
+    state = state or StateDir()
+    id = name or f"{spec.name}-{os.urandom(4).hex()}"
+    if not _ID.match(id) or id.endswith(".layer"):
+        raise ConfigError(f"bad workspace name {id!r}: expected letters, digits, '_', '.', '-' (at most 128)")
+    if spec.network.veth:
+        raise ConfigError(f"workspace {id}: network.veth is not carried over by a tree fork yet; use the restart engine")
+    if state.read(id) is not None or os.path.lexists(state.container_dir(id)):
+        raise ConfigError(f"a workspace named {id!r} already exists in {state.path}")
+    ct = Container(spec, id, state, ())
+    ct.veth = None
+    state.write(ct.record)
+    try:
+        for d in (ct.upper, ct.work, ct.mountpoint):
+            os.makedirs(d)
+        ct.cgroups.create(memory=spec.limits.memory, pids=spec.limits.pids)
+        if ct.cgroups.v2 is None:
+            raise BackendError(f"workspace {id}: a forked workspace needs a cgroup v2 hierarchy (freezer)")
+        ct._limiter = anyio.CapacityLimiter(1)
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        cgfd = os.open(ct.cgroups.v2, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        flags = (c.CLONE_NEWNS | c.CLONE_NEWUTS | c.CLONE_NEWIPC | c.CLONE_NEWNET | c.CLONE_NEWCGROUP
+                 | c.CLONE_PIDFD | c.CLONE_INTO_CGROUP)
+        try:
+            pid, pidfd = c.clone3(flags, cgroup_fd=cgfd)
+            if pid == 0:
+                _holder_main(child)
+        except OSError as exc:
+            parent.close()
+            raise BackendError(f"workspace {id}: cannot clone its holder: {exc}") from None
+        finally:
+            child.close()
+            os.close(cgfd)
+        ct._holder, ct.holder_pid, ct._holder_pidfd = parent, pid, pidfd
+        ct.cgroups.attach(pid)
+        return ct
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            with contextlib.suppress(BackendError):
+                await ct.destroy()
+        raise
+
+
+async def mount_shell(ct: Container, layers: Sequence[str]) -> None:
+    """Have the holder of *ct* mount the overlay (*layers* topmost first over the spec's root,
+    a fresh upper), /dev and /sys, pivot into it and unshare a new pid namespace."""
+    spec, state = ct.spec, ct.state
+    ct.layers = tuple(layers)
+    root = spec.root_dir.rstrip("/") + "/"
+    if any(p.startswith(root) for p in ct.layers):
+        ct.lowermount = os.path.join(ct.dir, "lower")
+        os.makedirs(ct.lowermount, exist_ok=True)
+    _prepare_upper(ct, state)
+    boot = Boot(
+        rootfs=ct.mountpoint,
+        lowerdirs=[os.path.relpath(p, state.data) if p.startswith(state.data + "/") else p for p in (*ct.layers, spec.root_dir)],
+        upper=os.path.relpath(ct.upper, state.data),
+        work=os.path.relpath(ct.work, state.data),
+        chdir=state.data,
+        hostname=spec.hostname,
+        env=spec.environment,
+        cwd=spec.cwd,
+        shell=spec.shell,
+        init=None,
+        root_overlay=os.path.relpath(ct.lowermount, state.data) if ct.lowermount else None,
+        proc=False,
+    )
+    assert ct._holder is not None
+    reply = await anyio.to_thread.run_sync(_boot, ct._holder, boot, abandon_on_cancel=True)
+    if not isinstance(reply, Ready):
+        why = reply.message if isinstance(reply, AgentError) else "the holder died during set-up"
+        raise BackendError(f"workspace {ct.id}: set-up failed: {why}")
+
+
+def tree_of(ct: Container) -> list[int]:
+    """Host pids of *ct*'s processes, its agent first, each one's parent before it."""
+    assert ct.init_pid is not None
+    children: dict[int, list[int]] = {}
+    pids = [p for p in ct.pids() if p != ct.init_pid]
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(pid)
+    order = [ct.init_pid]
+    for pid in order:  # grows while iterating: breadth first
+        order.extend(sorted(children.get(pid, ())))
+    stray = sorted(set(pids) - set(order))
+    if stray:
+        raise BackendError(f"workspace {ct.id}: processes {stray} are not below its agent; cannot fork it")
+    return order
+
+
+async def fork_tree_into(ct: Container, source: Container, dev_fd: int) -> float:
+    """Tree-fork the frozen workspace *source* into the mounted shell *ct*, whose cgroup is
+    frozen first (the clones start frozen: :func:`start_forked` thaws them). The agent's clone
+    holds one end of a new socket pair at its source's fd number; *ct* talks over the other.
+
+    Returns:
+        Seconds the ioctl took.
+    """
+    from . import _bunshin_c as c
+
+    if not source.frozen:
+        raise BackendError(f"workspace {source.id}: freeze it before forking its processes")
+    pids = tree_of(source)
+    await ct.freeze()
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    cgfd = os.open(ct.cgroups.v2 or "", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        # shielded: once asked, the fork is made and its clones recorded (a cancelled caller
+        # then destroys them with the shell), never left unknown
+        with anyio.CancelScope(shield=True):
+            t0 = time.perf_counter()
+            clones = await anyio.to_thread.run_sync(
+                lambda: c.bunshin_fork_tree(dev_fd, pids, ct._holder_pidfd, cgfd,
+                                            subst=[(0, source.agent_fd, child.fileno())]))
+            took = time.perf_counter() - t0
+    except BaseException as exc:
+        parent.close()
+        if isinstance(exc, OSError):
+            raise BackendError(f"workspace {ct.id}: cannot fork the processes of {source.id} ({_describe(pids)}): "
+                               f"{exc} (the kernel log says why)") from None
+        raise
+    finally:
+        child.close()
+        os.close(cgfd)
+    ct._sock = parent
+    ct.agent_fd = source.agent_fd
+    ct.init_pid = clones[0]
+    ct.pidfd = c.pidfd_open(clones[0])
+    ct.record.init_pid, ct.record.init_start = clones[0], process_start_time(clones[0])
+    ct.state.write(ct.record)
+    for pid in clones:
+        ct.cgroups.attach(pid)
+    assert ct._holder is not None
+    ct._holder.sendall(b"g")  # the root clone is its child: wait for it
+    return took
+
+
+def _describe(pids: Sequence[int]) -> str:
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").strip().decode(errors="replace")[:60]
+        except OSError:
+            cmd = "?"
+        out.append(f"{pid} {cmd}")
+    return "; ".join(out)
+
+
+async def start_forked(ct: Container) -> Pong:
+    """Thaw the forked workspace *ct* and have its agent mount its /proc; returns its Pong."""
+    await ct.thaw()
+    pong = await ct._rpc(Forked(), _REPLY_GRACE)
+    ct.record.state = "running"
+    ct.state.write(ct.record)
+    return pong
+
+
+def _holder_main(sock: socket.socket) -> NoReturn:
+    """Run in a forked workspace's holder: set the namespaces up, unshare a pid namespace,
+    then reap its init (the agent's clone) until none is left. Never returns."""
+    from . import _bunshin_c as c
+
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        _pygc.freeze()
+        fd = sock.fileno()
+        null = os.open("/dev/null", os.O_RDWR)
+        for i in range(3):
+            os.dup2(null, i)
+        os.closerange(3, fd)
+        os.closerange(fd + 1, 1 << 30)
+        sock.settimeout(None)
+        boot = recv(sock, "boot")
+        if boot is None:
+            os._exit(0)
+        _setup(boot)
+        c.unshare(c.CLONE_NEWPID)
+        send(sock, Ready(os.getpid()))
+        sock.recv(1)  # the controller's go (the tree is forked) or its close (it is not)
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - reported to the controller, then _exit
+        with contextlib.suppress(BaseException):
+            send(sock, AgentError("setup", f"{type(exc).__name__}: {exc}"))
+    finally:
+        os._exit(code)

@@ -1,6 +1,19 @@
-"""The live backend: real containers on this host, forked through file-system snapshots.
+"""The live backend: real containers on this host.
 
-:class:`LiveBackend` implements :class:`Backend` with the ``restart`` engine:
+:class:`LiveBackend` implements :class:`Backend` with one of three fork engines
+(``engine=``); every one keeps a snapshot's files as overlay layers (:mod:`._layers`), a copy
+of the upper directory taken while the workspace is frozen. They differ in what a snapshot
+holds of the processes and how a fork gets them back:
+
+- ``restart`` (the default; any Linux with overlayfs): nothing; a fork boots a new workspace
+  on the layers and replays the snapshot's ``stateful`` calls;
+- ``bunshin`` (the kernel module, ``/dev/bunshin`` with ``BUNSHIN_FEATURE_TREE_SUBST``): a
+  frozen live process tree; a fork tree-forks it (``BUNSHIN_IOC_FORK_TREE``) into a new
+  container shell (:func:`._container.open_shell`), memory shared copy-on-write;
+- ``criu`` (the baseline, Debian's ``criu``): a checkpoint image on a tmpfs; a fork restores
+  it into a new container shell, a private copy of the memory per fork.
+
+The ``restart`` engine in detail:
 
 - ``create`` boots a workspace of the spec on its root file system (:mod:`._container`);
 - ``freeze`` stops the workspace and keeps its overlay upper directory as a read-only layer
@@ -17,7 +30,20 @@
   cgroups for the bytes a call dirtied.
 
 Snapshots of this engine hold no memory (their processes are gone), so
-:meth:`LiveBackend.snapshot_charge` is 0. Every layer lives under one directory recorded in
+:meth:`LiveBackend.snapshot_charge` is 0.
+
+The ``bunshin`` engine: ``snapshot`` prepares a container shell (cgroups, a holder process in
+new namespaces) *before* freezing the source, then freezes it, copies its upper directory into
+a layer, mounts the shell's overlay on it, tree-forks the processes into the shell (the
+agent's channel to the controller replaced by a new socket pair: the clone's agent waits on
+that one) and thaws the source: it is frozen for the copy, the mount and the fork's metadata
+(measured: :attr:`LiveStatistics.frozen_seconds`), never for copying memory. The snapshot is
+that frozen clone; ``freeze`` keeps the workspace itself, frozen, as the snapshot. ``fork`` of
+a snapshot tree-forks its processes into a new shell on its layers with a fresh upper and
+thaws it; ``fork`` of a live workspace does the same straight from it (one tree fork, not
+two). A snapshot holds the pages its workspace dirtied since its parent (copy-on-write), so
+:meth:`LiveBackend.snapshot_charge` is the bytes dirtied plus its page tables. A snapshot
+promoted from the cold tier holds files only: its forks replay, as the ``restart`` engine's. Every layer lives under one directory recorded in
 the state directory, so ``bunshin gc`` removes it if the controller is killed.
 """
 
@@ -25,6 +51,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,7 +59,8 @@ import anyio
 import msgspec
 
 from ._backend import Backend, CallContext, ColdSnapshot, ToolResult, Workspace, WorkspaceMemory
-from ._container import Container, ExecResult, open_container
+from ._container import Container, ExecResult, fork_tree_into, mount_shell, open_container, open_shell, start_forked
+from ._criu import _Criu
 from ._exceptions import BackendError, ConfigError, WorkspaceReleasedError
 from ._layers import Layer, LayerStore
 from ._spec import WorkspaceSpec
@@ -40,7 +68,10 @@ from ._state import StateDir, gc, remove_tree
 from ._scheduler import RunResult
 from ._trace import TRACE_VERSION, MemoryProfile, Rollout, Step, Task, ToolCall, Trace, observation_digest
 
-__all__ = ["LiveBackend", "LiveStatistics", "demo_trace", "live_trace", "observation_bytes"]
+__all__ = ["ENGINES", "LiveBackend", "LiveStatistics", "demo_trace", "live_trace", "observation_bytes"]
+
+ENGINES = ("restart", "bunshin", "criu")
+"""The fork engines of :class:`LiveBackend`."""
 
 
 class LiveStatistics(msgspec.Struct, frozen=True):
@@ -68,17 +99,29 @@ class LiveStatistics(msgspec.Struct, frozen=True):
     """Wall seconds spent booting workspaces (create and fork)."""
     fork_seconds: float
     """Wall seconds spent in forks, replays included."""
+    tree_forks: int = 0
+    """Process trees forked (``bunshin`` engine) or restored (``criu`` engine)."""
+    frozen_seconds: float = 0.0
+    """Wall seconds live workspaces spent frozen for snapshots and forks (``bunshin``,
+    ``criu``; ``restart`` too, for its layer copy), summed."""
+    max_frozen_seconds: float = 0.0
+    """The longest of those."""
+    tree_fork_seconds: float = 0.0
+    """Wall seconds in the kernel's tree fork (``BUNSHIN_IOC_FORK_TREE``), summed."""
 
 
 class _Handle:
-    __slots__ = ("handle", "container", "stack", "log")
+    __slots__ = ("handle", "container", "stack", "log", "extra", "image")
 
     def __init__(self, handle: Workspace, container: Container | None, stack: tuple[Layer, ...],
-                 log: tuple[ToolCall, ...]) -> None:
+                 log: tuple[ToolCall, ...], extra: tuple[Layer, ...] = (), image: Path | None = None) -> None:
         self.handle = handle
-        self.container = container  # None for a snapshot
+        # None for a snapshot of files only; a frozen container for a bunshin snapshot
+        self.container = container
         self.stack = stack  # layers it holds, topmost first
         self.log = log  # calls run since the task's root, in order
+        self.extra = extra  # more layers it holds (those a frozen container still mounts)
+        self.image = image  # a criu snapshot's checkpoint directory
 
 
 class _Cold:
@@ -102,14 +145,28 @@ class LiveBackend(Backend):
         flatten_depth: Deepest layer stack kept as is; deeper ones are merged.
         memory_interval: Seconds a working-set measurement is reused (the page scanner reads
             every workspace's page tables, so it is not run after every operation).
+        engine: ``restart``, ``bunshin`` (needs ``/dev/bunshin``, ABI 4) or ``criu`` (needs
+            ``criu``); see the module docstring.
+
+    Raises:
+        ConfigError: Not root, an unknown engine, or what the engine needs is missing.
     """
 
     engine = "restart"
 
     def __init__(self, spec: WorkspaceSpec, *, state: StateDir | None = None, flatten_depth: int = 16,
-                 memory_interval: float = 0.5) -> None:
+                 memory_interval: float = 0.5, engine: str = "restart") -> None:
         if os.geteuid() != 0:
             raise ConfigError("live workspaces need root (namespaces, mounts and cgroups)")
+        if engine not in ENGINES:
+            raise ConfigError(f"unknown live engine {engine!r}; expected one of {', '.join(ENGINES)}")
+        self.engine = engine
+        self._dev = -1
+        self._criu: _Criu | None = None
+        if engine == "bunshin":
+            self._dev = _open_device()
+        elif engine == "criu":
+            self._criu = _Criu.find()
         self.spec = spec
         self._state = state or StateDir()
         gc(self._state)
@@ -124,7 +181,8 @@ class LiveBackend(Backend):
         self._interval = memory_interval
         self._ws_cache: tuple[float, int] | None = None
         self._n = dict(creates=0, forks=0, snapshots=0, replayed=0, demotes=0, promotes=0, executions=0, failed=0)
-        self._secs = dict(boot=0.0, fork=0.0)
+        self._secs = dict(boot=0.0, fork=0.0, frozen=0.0, max_frozen=0.0, ioctl=0.0)
+        self._tree_forks = 0
         self._closed = False
 
     async def __aenter__(self) -> LiveBackend:
@@ -142,9 +200,9 @@ class LiveBackend(Backend):
         return st
 
     def _new(self, task: Task, container: Container | None, stack: tuple[Layer, ...], log: tuple[ToolCall, ...],
-             *, frozen: bool) -> Workspace:
+             *, frozen: bool, extra: tuple[Layer, ...] = (), image: Path | None = None) -> Workspace:
         ws = Workspace(task, next(self._ids), frozen)
-        self._live[ws.id] = _Handle(ws, container, stack, log)
+        self._live[ws.id] = _Handle(ws, container, stack, log, extra, image)
         self._ws_cache = None
         return ws
 
@@ -182,6 +240,26 @@ class LiveBackend(Backend):
         if workspace.frozen:
             return workspace
         assert st.container is not None
+        if self.engine == "bunshin":
+            # the workspace itself, frozen, is the snapshot: its processes stay as they are
+            c = st.container
+            t0 = time.perf_counter()
+            await c.freeze()
+            try:
+                stack = await anyio.to_thread.run_sync(self._layers.capture, Path(c.upper), st.stack)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await c.thaw()
+                raise
+            self._note_frozen(time.perf_counter() - t0)
+            del self._live[workspace.id]
+            workspace.released = True
+            self._n["snapshots"] += 1
+            return self._new(workspace.task, c, stack, st.log, frozen=True, extra=st.stack)
+        if self.engine == "criu":
+            snap = await self.snapshot(workspace)
+            await self.release(workspace)
+            return snap
         await st.container.freeze()
         kept = await st.container.destroy(keep_upper=True)
         if kept is None:
@@ -203,17 +281,83 @@ class LiveBackend(Backend):
         if workspace.frozen or st.container is None:
             raise BackendError(f"cannot snapshot {workspace!r}: it is already a snapshot; fork it")
         c = st.container
+        if self.engine == "bunshin":
+            shell = await self._shell(workspace.task)
+            try:
+                stack = await self._fork_frozen(c, shell, st.stack)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await shell.destroy()
+                raise
+            self._n["snapshots"] += 1
+            return self._new(workspace.task, shell, stack, st.log, frozen=True)
+        if self.engine == "criu":
+            assert self._criu is not None
+            image = self._criu.new_image_dir()
+            t0 = time.perf_counter()
+            await c.freeze()
+            try:
+                stack = await anyio.to_thread.run_sync(self._layers.capture, Path(c.upper), st.stack)
+                try:
+                    await anyio.to_thread.run_sync(self._criu.dump, c, image)
+                except BaseException:
+                    self._layers.drop(stack)
+                    raise
+            except BaseException:
+                await anyio.to_thread.run_sync(remove_tree, str(image))
+                raise
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await c.thaw()
+                self._note_frozen(time.perf_counter() - t0)
+            self._n["snapshots"] += 1
+            return self._new(workspace.task, None, stack, st.log, frozen=True, image=image)
+        t0 = time.perf_counter()
         await c.freeze()
         try:
             stack = await anyio.to_thread.run_sync(self._layers.capture, Path(c.upper), st.stack)
         finally:
             with anyio.CancelScope(shield=True):
                 await c.thaw()
+            self._note_frozen(time.perf_counter() - t0)
         self._n["snapshots"] += 1
         return self._new(workspace.task, None, stack, st.log, frozen=True)
 
+    def _note_frozen(self, seconds: float) -> None:
+        self._secs["frozen"] += seconds
+        self._secs["max_frozen"] = max(self._secs["max_frozen"], seconds)
+
+    async def _shell(self, task: Task) -> Container:
+        return await open_shell(self.spec, name=f"{_safe(task.id)}-{next(self._ids)}", state=self._state)
+
+    async def _fork_frozen(self, source: Container, shell: Container, below: tuple[Layer, ...]) -> tuple[Layer, ...]:
+        """Freeze the live *source*, copy its upper directory into a layer over *below*, mount
+        *shell* on it and tree-fork *source* into it, then thaw *source*. Returns the held
+        stack *shell* stands on; *shell* stays frozen."""
+        t0 = time.perf_counter()
+        await source.freeze()
+        stack: tuple[Layer, ...] | None = None
+        try:
+            stack = await anyio.to_thread.run_sync(self._layers.capture, Path(source.upper), below)
+            await mount_shell(shell, [str(layer.path) for layer in stack])
+            self._secs["ioctl"] += await fork_tree_into(shell, source, self._dev)
+        except BaseException:
+            if stack is not None:
+                self._layers.drop(stack)
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await source.thaw()
+            self._note_frozen(time.perf_counter() - t0)
+        self._tree_forks += 1
+        return stack
+
     async def fork(self, source: Workspace) -> Workspace:
         st = self._get(source)
+        if self.engine == "bunshin" and (not source.frozen or st.container is not None):
+            return await self._tree_fork(st)
+        if self.engine == "criu" and st.image is not None:
+            return await self._restore(st)
         if not source.frozen:
             snap = await self.snapshot(source)
             try:
@@ -234,6 +378,61 @@ class LiveBackend(Backend):
                 if self._stateful(call):
                     await container.call(call)
                     self._n["replayed"] += 1
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.release(ws)
+            raise
+        self._n["forks"] += 1
+        self._secs["fork"] += anyio.current_time() - t0
+        return ws
+
+    async def _tree_fork(self, st: _Handle) -> Workspace:
+        """A ``bunshin`` fork: the processes of the snapshot (or of the live workspace, frozen
+        meanwhile) tree-forked into a new shell on its layers with a fresh upper, thawed."""
+        t0 = anyio.current_time()
+        source = st.handle
+        assert st.container is not None
+        shell = await self._shell(source.task)
+        try:
+            if not source.frozen:
+                stack = await self._fork_frozen(st.container, shell, st.stack)
+            else:
+                stack = self._layers.hold(st.stack)
+                try:
+                    await mount_shell(shell, [str(layer.path) for layer in stack])
+                    self._secs["ioctl"] += await fork_tree_into(shell, st.container, self._dev)
+                except BaseException:
+                    self._layers.drop(stack)
+                    raise
+                self._tree_forks += 1
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await shell.destroy()
+            raise
+        ws = self._new(source.task, shell, stack, st.log, frozen=False)
+        try:
+            await start_forked(shell)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.release(ws)
+            raise
+        self._n["forks"] += 1
+        self._secs["fork"] += anyio.current_time() - t0
+        return ws
+
+    async def _restore(self, st: _Handle) -> Workspace:
+        """A ``criu`` fork: the snapshot's checkpoint restored into a new shell on its layers
+        with a fresh upper."""
+        assert self._criu is not None and st.image is not None
+        t0 = anyio.current_time()
+        shell = await self._shell(st.handle.task)
+        stack = self._layers.hold(st.stack)
+        ws = self._new(st.handle.task, shell, stack, st.log, frozen=False)
+        try:
+            await mount_shell(shell, [str(layer.path) for layer in stack])
+            await self._criu.restore(st.image, shell)
+            self._tree_forks += 1
+            await start_forked(shell)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.release(ws)
@@ -305,12 +504,26 @@ class LiveBackend(Backend):
         handle.released = True
         self._ws_cache = None
         with anyio.CancelScope(shield=True):
-            if st.container is not None:
-                await st.container.destroy()
-            self._layers.drop(st.stack)
+            try:
+                if st.container is not None:
+                    await st.container.destroy()
+            finally:
+                self._layers.drop(st.stack)
+                self._layers.drop(st.extra)
+                if st.image is not None:
+                    await anyio.to_thread.run_sync(remove_tree, str(st.image))
 
     def snapshot_charge(self, workspace: Workspace, dirtied_bytes: int) -> int:
-        return 0  # a restart snapshot is files on disk: its processes are gone
+        if self.engine == "restart":
+            return 0  # a restart snapshot is files on disk: its processes are gone
+        st = self._live.get(workspace.id)
+        c = st.container if st is not None else None
+        if c is None or not c.alive:
+            return dirtied_bytes
+        if self.engine == "criu":
+            return c.memory().anon  # the image is a copy of every anonymous page
+        # copy-on-write: the pages the workspace dirtied, plus the snapshot's page tables
+        return dirtied_bytes + _page_table_bytes(c.pids())
 
     def _pids(self, handles: Sequence[_Handle]) -> list[int]:
         pids: list[int] = []
@@ -360,6 +573,8 @@ class LiveBackend(Backend):
             creates=n["creates"], forks=n["forks"], snapshots=n["snapshots"], replayed_calls=n["replayed"],
             demotes=n["demotes"], promotes=n["promotes"], executions=n["executions"], failed_calls=n["failed"],
             flattens=self._layers.flattens, boot_seconds=self._secs["boot"], fork_seconds=self._secs["fork"],
+            tree_forks=self._tree_forks, frozen_seconds=self._secs["frozen"],
+            max_frozen_seconds=self._secs["max_frozen"], tree_fork_seconds=self._secs["ioctl"],
         )
 
     async def aclose(self) -> None:
@@ -374,6 +589,11 @@ class LiveBackend(Backend):
                 await self.release(cs.handle)
             await anyio.to_thread.run_sync(remove_tree, str(self._layers.root))
             self._state.remove(self._run_id + ".layer")
+            if self._criu is not None:
+                await anyio.to_thread.run_sync(self._criu.close)
+            if self._dev >= 0:
+                os.close(self._dev)
+                self._dev = -1
 
 
 def observation_bytes(res: ExecResult) -> bytes:
@@ -387,6 +607,41 @@ def observation_bytes(res: ExecResult) -> bytes:
     if res.truncated:
         out += b"\n[output truncated]"
     return out
+
+
+def _open_device() -> int:
+    """Open /dev/bunshin and check it can fork a workspace (ABI 4: fd substitution)."""
+    from . import _bunshin_c as c
+
+    try:
+        fd = os.open("/dev/bunshin", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"the bunshin engine needs the kernel module (/dev/bunshin: {exc.strerror}); load it, "
+                          "or run in the lab VM: bunshin vm run --load-module -- ...") from None
+    try:
+        ver = c.bunshin_version(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(f"/dev/bunshin does not answer BUNSHIN_IOC_VERSION: {exc}") from None
+    if not ver.features & c.BUNSHIN_FEATURE_TREE_SUBST:
+        os.close(fd)
+        raise ConfigError(f"the bunshin module loaded (ABI {ver.abi_version}, features {ver.features:#x}) cannot fork a "
+                          "workspace: it needs BUNSHIN_FEATURE_TREE_SUBST (ABI 4); load this checkout's module")
+    return fd
+
+
+def _page_table_bytes(pids: Sequence[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmPTE:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            continue
+    return total
 
 
 def _empty_archive(path: Path) -> None:

@@ -496,15 +496,24 @@ def kmod_source_dir() -> str | None:
 def build_module(tree: KernelTree, src_dir: str, cache_dir: str = DEFAULT_CACHE_DIR, step: Step = _no_step) -> str:
     """Build the kernel module in *src_dir* against *tree*'s headers; returns the ``.ko`` path.
 
-    The sources are copied (with their times, so make rebuilds only what changed) to
-    ``CACHE/VERSION/kmod`` and built there with ``make -C HEADERS M=...``: the source tree is
-    left clean.
+    The sources are copied to ``CACHE/VERSION/kmod-HASH``, HASH being a digest of their
+    contents, and built there with ``make -C HEADERS M=...``: the source tree is left clean,
+    and checkouts with different sources never share a build (file times cannot tell them
+    apart: a copy made from another checkout may be newer than this one's edits).
     """
-    build = os.path.join(cache_dir, tree.version, "kmod")
+    ignore = shutil.ignore_patterns("*.o", "*.ko", "*.mod*", ".*.cmd", "Module.symvers",
+                                    "modules.order", ".tmp_versions")
+    digest = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(src_dir):
+        dirnames[:] = sorted(d for d in dirnames if d not in ignore(dirpath, dirnames))
+        for name in sorted(set(filenames) - set(ignore(dirpath, filenames))):
+            path = os.path.join(dirpath, name)
+            digest.update(os.path.relpath(path, src_dir).encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read() + b"\0")
+    build = os.path.join(cache_dir, tree.version, f"kmod-{digest.hexdigest()[:12]}")
     step(f"building the module ({src_dir}) for {tree.version}")
-    shutil.copytree(src_dir, build, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("*.o", "*.ko", "*.mod*", ".*.cmd", "Module.symvers",
-                                                  "modules.order", ".tmp_versions"))
+    shutil.copytree(src_dir, build, dirs_exist_ok=True, ignore=ignore)
     _run_tool([_which("make", "make"), "-s", "-C", tree.headers_dir, f"M={build}", "modules"],
               "building the module")
     kos = sorted(p for p in os.listdir(build) if p.endswith(".ko"))

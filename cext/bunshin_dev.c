@@ -40,7 +40,12 @@ bunshin_dev_exec(PyObject *module)
         PyModule_AddIntConstant(module, "BUNSHIN_FORK_JOIN_GROUP", BUNSHIN_FORK_JOIN_GROUP) < 0 ||
         PyModule_AddIntConstant(module, "BUNSHIN_FORK_REOPEN_FILES",
                                 BUNSHIN_FORK_REOPEN_FILES) < 0 ||
-        PyModule_AddIntConstant(module, "BUNSHIN_TREE_MAX", BUNSHIN_TREE_MAX) < 0)
+        PyModule_AddIntConstant(module, "BUNSHIN_TREE_MAX", BUNSHIN_TREE_MAX) < 0 ||
+        PyModule_AddIntConstant(module, "BUNSHIN_TREE_SUBST_MAX", BUNSHIN_TREE_SUBST_MAX) < 0 ||
+        PyModule_AddIntConstant(module, "BUNSHIN_FEATURE_FORK_TREE",
+                                (long)BUNSHIN_FEATURE_FORK_TREE) < 0 ||
+        PyModule_AddIntConstant(module, "BUNSHIN_FEATURE_TREE_SUBST",
+                                (long)BUNSHIN_FEATURE_TREE_SUBST) < 0)
         return -1;
     return 0;
 }
@@ -152,29 +157,61 @@ error:
 }
 
 const char bunshin_bunshin_fork_tree_doc[] =
-    "bunshin_fork_tree(fd, source_pids, target_pidfd, cgroup_fd)\n--\n\n"
+    "bunshin_fork_tree(fd, source_pids, target_pidfd, cgroup_fd, *, subst=())\n--\n\n"
     "BUNSHIN_IOC_FORK_TREE on fd (an open /dev/bunshin): fork the frozen,\n"
     "single-threaded processes source_pids (a sequence of pids, each one's\n"
     "parent before it) into the namespaces, root and cwd of the process\n"
     "target_pidfd refers to, each clone born in the cgroup v2 directory\n"
     "cgroup_fd, the tree keeping its shape, pids, sessions, process groups,\n"
-    "pipes and socket pairs. Return the clones' pids (in the caller's pid\n"
-    "namespace) as a list, in the order of source_pids.";
+    "pipes and socket pairs. subst, a sequence of (index, fd, caller_fd),\n"
+    "gives the clone of source_pids[index] the caller's open file caller_fd\n"
+    "at fd instead of a copy of its source's (BUNSHIN_TREE_SUBST, ABI 4).\n"
+    "Return the clones' pids (in the caller's pid namespace) as a list, in\n"
+    "the order of source_pids.";
 
 PyObject *
 bunshin_bunshin_fork_tree(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"fd", "source_pids", "target_pidfd", "cgroup_fd", NULL};
+    static char *kwlist[] = {"fd", "source_pids", "target_pidfd", "cgroup_fd", "subst", NULL};
     struct bunshin_tree_req req;
-    PyObject *seq = NULL, *pids = NULL, *result = NULL, *item;
+    struct bunshin_tree_subst *subs = NULL;
+    PyObject *seq = NULL, *pids = NULL, *result = NULL, *item, *subst = NULL, *sseq = NULL;
     int32_t *source = NULL, *child = NULL;
     int fd, target_pidfd, cgroup_fd;
-    Py_ssize_t n, i;
+    unsigned int s_index, s_fd;
+    int s_caller;
+    Py_ssize_t n, i, ns = 0;
     long v;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOii:bunshin_fork_tree", kwlist, &fd, &pids,
-                                     &target_pidfd, &cgroup_fd))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOii|$O:bunshin_fork_tree", kwlist, &fd,
+                                     &pids, &target_pidfd, &cgroup_fd, &subst))
         goto error;
+    if (subst != NULL) {
+        sseq = PySequence_Fast(subst, "subst must be a sequence of (index, fd, caller_fd)");
+        if (sseq == NULL)
+            goto error;
+        ns = PySequence_Fast_GET_SIZE(sseq);
+        if (ns > BUNSHIN_TREE_SUBST_MAX) {
+            PyErr_Format(PyExc_ValueError, "subst must hold at most %d entries, not %zd",
+                         BUNSHIN_TREE_SUBST_MAX, ns);
+            goto error;
+        }
+        if (ns > 0) {
+            subs = PyMem_Calloc((size_t)ns, sizeof(*subs));
+            if (subs == NULL) {
+                PyErr_NoMemory();
+                goto error;
+            }
+        }
+        for (i = 0; i < ns; i++) {
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(sseq, i), "IIi;subst entries are "
+                                  "(index, fd, caller_fd)", &s_index, &s_fd, &s_caller))
+                goto error;
+            subs[i].index = s_index;
+            subs[i].fd = s_fd;
+            subs[i].caller_fd = s_caller;
+        }
+    }
     seq = PySequence_Fast(pids, "source_pids must be a sequence of pids");
     if (seq == NULL)
         goto error;
@@ -206,6 +243,11 @@ bunshin_bunshin_fork_tree(PyObject *module, PyObject *args, PyObject *kwargs)
     req.child_pids = (__u64)(uintptr_t)child;
     req.target_pidfd = target_pidfd;
     req.cgroup_fd = cgroup_fd;
+    if (ns > 0) {
+        req.flags = BUNSHIN_TREE_SUBST;
+        req.subst = (__u64)(uintptr_t)subs;
+        req.subst_count = (__u32)ns;
+    }
     /* As for bunshin_fork: EINTR only after the module undid everything. */
     if (bunshin_dev_ioctl(fd, BUNSHIN_IOC_FORK_TREE, &req, "ioctl BUNSHIN_IOC_FORK_TREE") < 0)
         goto error;
@@ -218,14 +260,18 @@ bunshin_bunshin_fork_tree(PyObject *module, PyObject *args, PyObject *kwargs)
             goto error;
         PyList_SET_ITEM(result, i, item);
     }
+    PyMem_Free(subs);
     PyMem_Free(child);
     PyMem_Free(source);
+    Py_XDECREF(sseq);
     Py_DECREF(seq);
     return result;
 error:
     Py_XDECREF(result);
+    PyMem_Free(subs);
     PyMem_Free(child);
     PyMem_Free(source);
+    Py_XDECREF(sseq);
     Py_XDECREF(seq);
     return NULL;
 }

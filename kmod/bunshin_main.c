@@ -46,7 +46,8 @@ static u64 bunshin_features(void)
 	if (bunshin_ksyms.files_ready)
 		features |= BUNSHIN_FEATURE_FORK_FILES;
 	if (bunshin_ksyms.tree_ready)
-		features |= BUNSHIN_FEATURE_FORK_TREE;
+		features |= BUNSHIN_FEATURE_FORK_TREE |
+			    BUNSHIN_FEATURE_TREE_SUBST;
 	return features;
 }
 

@@ -127,6 +127,13 @@ struct bunshin_tree_sock {
 	struct sock *src, *dst;
 };
 
+/* A caller's file that replaces a source's fd in its clone. */
+struct bunshin_tree_subst_k {
+	unsigned int index, fd;
+	struct file *file;		/* reference */
+	bool used;
+};
+
 struct bunshin_tree {
 	struct task_struct *target;	/* reference */
 	struct task_struct *reaper;	/* reference: the root clone's parent */
@@ -139,6 +146,8 @@ struct bunshin_tree {
 	pid_t spare;			/* no source's pid from here on */
 	unsigned int count, made;
 	struct bunshin_tree_proc *procs;
+	struct bunshin_tree_subst_k *subst;
+	unsigned int subst_count;
 	DECLARE_HASHTABLE(files, 8);
 	struct list_head pipes, socks;
 	char *buf;			/* PATH_MAX */
@@ -743,11 +752,25 @@ static struct file *bunshin_tree_file(struct bunshin_tree *t, pid_t pid,
 	return ERR_PTR(-EINVAL);
 }
 
+/* The substitution of the source at index for fd, or NULL. */
+static struct bunshin_tree_subst_k *
+bunshin_tree_find_subst(struct bunshin_tree *t, unsigned int index,
+			unsigned int fd)
+{
+	unsigned int i;
+
+	for (i = 0; i < t->subst_count; i++)
+		if (t->subst[i].index == index && t->subst[i].fd == fd)
+			return &t->subst[i];
+	return NULL;
+}
+
 /* The clone's fd table for one source; runs with the source's creds. */
 static int bunshin_tree_table(struct bunshin_tree *t,
 			      struct bunshin_tree_proc *pr)
 {
 	pid_t pid = task_pid_nr(pr->source);
+	struct bunshin_tree_subst_k *sub;
 	struct files_struct *src, *files;
 	struct file *old, *file;
 	struct path src_root;
@@ -773,7 +796,13 @@ static int bunshin_tree_table(struct bunshin_tree *t,
 		return PTR_ERR(files);
 	}
 	for (; (old = bunshin_next_file(files, &fd, &cloexec)); fd++) {
-		file = bunshin_tree_file(t, pid, fd, old, &src_root);
+		sub = bunshin_tree_find_subst(t, pr - t->procs, fd);
+		if (sub) {
+			sub->used = true;
+			file = get_file(sub->file);
+		} else {
+			file = bunshin_tree_file(t, pid, fd, old, &src_root);
+		}
 		fput(old);
 		if (IS_ERR(file)) {
 			err = PTR_ERR(file);
@@ -795,7 +824,7 @@ static int bunshin_tree_check(struct bunshin_tree *t)
 {
 	struct bunshin_tree_pipe *tp;
 	struct bunshin_tree_map *m;
-	unsigned int r, w;
+	unsigned int r, w, i;
 	int bkt;
 
 	list_for_each_entry(tp, &t->pipes, node) {
@@ -806,6 +835,14 @@ static int bunshin_tree_check(struct bunshin_tree *t)
 		if (r != tp->n[0] || w != tp->n[1]) {
 			pr_info("tree fork: source pid %d: fd %u is a pipe with %u readers and %u writers, %u and %u of them in the tree: the fork is refused\n",
 				tp->pid, tp->fd, r, w, tp->n[0], tp->n[1]);
+			return -EINVAL;
+		}
+	}
+	for (i = 0; i < t->subst_count; i++) {
+		if (!t->subst[i].used) {
+			pr_info("tree fork: source pid %d has no fd %u to substitute: the fork is refused\n",
+				task_pid_nr(t->procs[t->subst[i].index].source),
+				t->subst[i].fd);
 			return -EINVAL;
 		}
 	}
@@ -1271,6 +1308,10 @@ static void bunshin_tree_free(struct bunshin_tree *t)
 			fput(tp->end[1]);
 		kfree(tp);
 	}
+	for (i = 0; t->subst && i < t->subst_count; i++)
+		if (t->subst[i].file)
+			fput(t->subst[i].file);
+	kfree(t->subst);
 	if (t->net)
 		put_net(t->net);
 	if (t->root.mnt) {
@@ -1354,6 +1395,55 @@ static int bunshin_tree_target(struct bunshin_tree *t, int pidfd)
 	t->reaper = reaper;
 	/* The clones must be visible to the caller: report their pids. */
 	return task_pid_vnr(reaper) ? 0 : -EINVAL;
+}
+
+/*
+ * The fd substitutions of the request: each names a source by index and an
+ * fd, and holds a reference to the caller's file.
+ */
+static int bunshin_tree_load_subst(struct bunshin_tree *t,
+				   const struct bunshin_tree_req *req)
+{
+	struct bunshin_tree_subst *us;
+	unsigned int i, j;
+	int err = 0;
+
+	us = memdup_user(u64_to_user_ptr(req->subst),
+			 req->subst_count * sizeof(*us));
+	if (IS_ERR(us))
+		return PTR_ERR(us);
+	t->subst = kcalloc(req->subst_count, sizeof(*t->subst), GFP_KERNEL);
+	if (!t->subst) {
+		err = -ENOMEM;
+		goto out;
+	}
+	t->subst_count = req->subst_count;
+	for (i = 0; i < t->subst_count; i++) {
+		if (us[i].reserved || us[i].index >= t->count ||
+		    us[i].fd > INT_MAX) {
+			err = -EINVAL;
+			goto out;
+		}
+		for (j = 0; j < i; j++) {
+			if (us[j].index == us[i].index && us[j].fd == us[i].fd) {
+				pr_info("tree fork: fd %u of source %u is substituted twice\n",
+					us[i].fd, us[i].index);
+				err = -EINVAL;
+				goto out;
+			}
+		}
+		t->subst[i].index = us[i].index;
+		t->subst[i].fd = us[i].fd;
+		t->subst[i].file = us[i].caller_fd < 0 ? NULL :
+				   fget(us[i].caller_fd);
+		if (!t->subst[i].file) {
+			err = -EBADF;
+			goto out;
+		}
+	}
+out:
+	kfree(us);
+	return err;
 }
 
 /* The sources, checked: frozen, single-threaded, each parent before it. */
@@ -1445,9 +1535,16 @@ long bunshin_ioctl_fork_tree(void __user *uarg)
 		return -EPERM;
 	if (copy_from_user(&req, uarg, sizeof(req)))
 		return -EFAULT;
-	if (req.flags || !req.count || req.count > BUNSHIN_TREE_MAX ||
+	if ((req.flags & ~BUNSHIN_TREE_FLAGS) || !req.count ||
+	    req.count > BUNSHIN_TREE_MAX || req.reserved0 ||
 	    memchr_inv(req.reserved, 0, sizeof(req.reserved)))
 		return -EINVAL;
+	if (req.flags & BUNSHIN_TREE_SUBST) {
+		if (!req.subst_count || req.subst_count > BUNSHIN_TREE_SUBST_MAX)
+			return -EINVAL;
+	} else if (req.subst || req.subst_count) {
+		return -EINVAL;
+	}
 	/* Fail on an unwritable argument before anything is made. */
 	if (copy_to_user(uarg, &req, sizeof(req)))
 		return -EFAULT;
@@ -1488,6 +1585,8 @@ long bunshin_ioctl_fork_tree(void __user *uarg)
 		goto free_tree;
 	}
 	err = bunshin_tree_sources(t, pids);
+	if (!err && (req.flags & BUNSHIN_TREE_SUBST))
+		err = bunshin_tree_load_subst(t, &req);
 	if (err)
 		goto free_tree;
 

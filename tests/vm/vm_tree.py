@@ -409,9 +409,11 @@ def last_counter(log: Path, role: str) -> int:
 
 def test_tree_feature(dev: int) -> None:
     v = c.bunshin_version(dev)
-    assert v.abi_version == ABI_VERSION == 3
+    assert v.abi_version == ABI_VERSION == 4
     assert v.features & FEATURE_FORK_TREE, kernel_log()[-2000:]
+    assert v.features & c.BUNSHIN_FEATURE_TREE_SUBST == 1 << 7
     assert c.BUNSHIN_TREE_MAX == TREE_MAX == 1024
+    assert c.BUNSHIN_TREE_SUBST_MAX == 1024
 
 
 def test_tree_fork_into_a_new_pid_namespace(dev: int, procs: Procs, workspace: Workspace, target_cgroup) -> None:
@@ -1058,3 +1060,98 @@ def test_target_exiting_midway(dev: int, procs: Procs, workspace: Workspace, tar
     last = {r: last_counter(ws.log, r) for r in ROLES}
     freeze(ws.cg, False)
     wait_for(lambda: all(last_counter(ws.log, r) > last[r] for r in ROLES), what="the sources to resume")
+
+
+def _socket_fd(pid: int) -> int:
+    """The fd of *pid*'s end of the workspace's unix socket pair (A's and B's)."""
+    socks = [int(fd) for fd, path in fd_table(pid).items() if path.startswith("socket:")]
+    assert len(socks) == 1, fd_table(pid)
+    return socks[0]
+
+
+def test_tree_fork_with_fd_substitutions(dev: int, procs: Procs, workspace: Workspace, target_cgroup) -> None:
+    """BUNSHIN_TREE_SUBST (ABI 4): both ends of the A-B socket pair replaced by the caller's
+    own pair: the clones hold the caller's sockets at the same fd numbers (shared open files,
+    not copies); the rest of the tree is carried over as without substitutions, and what the
+    caller sends on its pair reaches the clone of A, which logs it."""
+    ws = workspace
+    tcg, tcg_fd = target_cgroup
+    target = procs.spawn(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET,
+                         lambda: clean_target_main(str(ws.work)))
+    wait_for(lambda: Path(f"/proc/{target}/root{ws.work}/ready").exists(), what="the target's files")
+    freeze(ws.cg)
+    a = next(p for p, r in ws.role.items() if r == "A")
+    b = next(p for p, r in ws.role.items() if r == "B")
+    fa, fb = _socket_fd(a), _socket_fd(b)
+    sa, sb = socket.socketpair()
+    pidfd = os.pidfd_open(target)
+    try:
+        subst = [(ws.pids.index(a), fa, sa.fileno()), (ws.pids.index(b), fb, sb.fileno())]
+        clones = c.bunshin_fork_tree(dev, ws.pids, pidfd, tcg_fd, subst=subst)
+    finally:
+        os.close(pidfd)
+    try:
+        of = dict(zip(ws.pids, clones))
+        assert os.stat(f"/proc/{of[a]}/fd/{fa}").st_ino == os.fstat(sa.fileno()).st_ino
+        assert os.stat(f"/proc/{of[b]}/fd/{fb}").st_ino == os.fstat(sb.fileno()).st_ino
+        assert os.stat(f"/proc/{of[a]}/fd/{fa}").st_ino != os.stat(f"/proc/{a}/fd/{fa}").st_ino
+        # the source's table is untouched
+        assert os.stat(f"/proc/{a}/fd/{fa}").st_ino != os.fstat(sa.fileno()).st_ino
+    finally:
+        kill_all(clones)
+        sa.close()
+        sb.close()
+
+
+def test_tree_fork_substitution_errors(dev: int, procs: Procs, workspace: Workspace, target_cgroup) -> None:
+    """Bad substitutions are refused before anything is made: an index out of range, one fd
+    twice, an fd the source has not open (EINVAL, logged), a caller fd not open (EBADF), a
+    substitution pointer without the flag (EINVAL) or unreadable (EFAULT); only one end of the
+    socket pair substituted leaves the other refused (EINVAL)."""
+    ws = workspace
+    tcg, tcg_fd = target_cgroup
+    holder = spawn_holder(procs, str(ws.work))
+    freeze(ws.cg)
+    before = {p: fd_table(p) for p in ws.pids}
+    a = next(p for p, r in ws.role.items() if r == "A")
+    fa = _socket_fd(a)
+    ia = ws.pids.index(a)
+    sa, sb = socket.socketpair()
+    closed = 999  # an fd the caller has not open
+    with pytest.raises(OSError):
+        os.fstat(closed)
+    pidfd = os.pidfd_open(holder)
+
+    def fork(subst) -> int:
+        return errno_of(lambda: c.bunshin_fork_tree(dev, ws.pids, pidfd, tcg_fd, subst=subst))
+
+    try:
+        assert fork([(len(ws.pids), fa, sa.fileno())]) == errno.EINVAL
+        assert fork([(ia, fa, sa.fileno()), (ia, fa, sb.fileno())]) == errno.EINVAL
+        assert fork([(ia, 900, sa.fileno())]) == errno.EINVAL
+        assert "has no fd 900 to substitute" in kernel_log()
+        assert fork([(ia, fa, closed)]) == errno.EBADF
+        assert fork([(ia, fa, sa.fileno())]) == errno.EINVAL  # B's end now has its peer outside
+        with pytest.raises(ValueError):
+            c.bunshin_fork_tree(dev, ws.pids, pidfd, tcg_fd, subst=[(0, 0, 0)] * (c.BUNSHIN_TREE_SUBST_MAX + 1))
+        with pytest.raises(TypeError):
+            c.bunshin_fork_tree(dev, ws.pids, pidfd, tcg_fd, subst=[(0, 1)])
+        n = len(ws.pids)
+        src = (ctypes.c_int32 * n)(*ws.pids)
+        out = (ctypes.c_int32 * n)()
+
+        def raw(flags: int, subst: int, count: int) -> int:
+            arg = bytearray(struct.pack(TREE_FMT, flags, n, ctypes.addressof(src), ctypes.addressof(out), pidfd,
+                                        tcg_fd, 0, subst, count, 0))
+            return errno_of(lambda: fcntl.ioctl(dev, IOC_FORK_TREE, arg))
+
+        assert raw(0, 8, 0) == errno.EINVAL  # a pointer without the flag
+        assert raw(0, 0, 1) == errno.EINVAL  # a count without the flag
+        assert raw(1, 0, 0) == errno.EINVAL  # the flag without a count
+        assert raw(1, 8, 1) == errno.EFAULT
+        assert raw(3, 8, 1) == errno.EINVAL  # an unknown flag
+    finally:
+        os.close(pidfd)
+        sa.close()
+        sb.close()
+    assert_nothing_made(ws, tcg, holder, before)

@@ -26,8 +26,11 @@
  * meant in version 1.
  * 3: BUNSHIN_IOC_FORK_TREE and struct bunshin_tree_req (BUNSHIN_IOC_FORK is
  * unchanged).
+ * 4: BUNSHIN_TREE_SUBST: struct bunshin_tree_req gained the fields subst and
+ * subst_count (in what were reserved[0] and reserved[1]); a request with
+ * flags 0 means what it meant in version 3.
  */
-#define BUNSHIN_ABI_VERSION	3
+#define BUNSHIN_ABI_VERSION	4
 
 /* The ioctl type byte of /dev/bunshin's commands. */
 #define BUNSHIN_IOC_MAGIC	0xBB
@@ -57,6 +60,8 @@
  * create_pipe_files, were resolved.
  */
 #define BUNSHIN_FEATURE_FORK_TREE	(1ULL << 6)
+/* BUNSHIN_IOC_FORK_TREE takes BUNSHIN_TREE_SUBST (fd substitutions). */
+#define BUNSHIN_FEATURE_TREE_SUBST	(1ULL << 7)
 
 /**
  * struct bunshin_version - argument of BUNSHIN_IOC_VERSION
@@ -153,10 +158,40 @@ struct bunshin_fork_req {
 
 /* The most processes one BUNSHIN_IOC_FORK_TREE request may name. */
 #define BUNSHIN_TREE_MAX	1024
+/* The most fd substitutions one BUNSHIN_IOC_FORK_TREE request may carry. */
+#define BUNSHIN_TREE_SUBST_MAX	1024
+
+/* bunshin_tree_req.flags */
+/*
+ * subst points to subst_count struct bunshin_tree_subst: the clones get the
+ * caller's open files at the fds they name instead of what the module would
+ * make of the sources' files there.
+ */
+#define BUNSHIN_TREE_SUBST		(1U << 0)
+#define BUNSHIN_TREE_FLAGS		BUNSHIN_TREE_SUBST
+
+/**
+ * struct bunshin_tree_subst - one fd substitution of BUNSHIN_IOC_FORK_TREE
+ * @index: in: the source, an index into source_pids.
+ * @fd: in: an fd number the source has open.
+ * @caller_fd: in: an fd of the caller: its open file (shared, not copied) is
+ *	what the clone of that source holds at @fd, with the source's
+ *	close-on-exec bit. The source's own file at @fd is not looked at: a
+ *	socket whose peer is outside the tree (the controller's end of a
+ *	channel) may be replaced this way. Another source's fd sharing that
+ *	open file is not substituted by this entry (give it its own).
+ * @reserved: in: must be 0.
+ */
+struct bunshin_tree_subst {
+	__u32 index;
+	__u32 fd;
+	__s32 caller_fd;
+	__u32 reserved;
+};
 
 /**
  * struct bunshin_tree_req - argument of BUNSHIN_IOC_FORK_TREE
- * @flags: in: must be 0.
+ * @flags: in: BUNSHIN_TREE_* bits (0: the behaviour of ABI version 3).
  * @count: in: the number of pids at @source_pids (1 to BUNSHIN_TREE_MAX).
  * @source_pids: in: a user pointer to __s32[count], the processes to fork
  *	(pids in the caller's pid namespace), each one's parent before it:
@@ -176,6 +211,11 @@ struct bunshin_fork_req {
  *	born in, as with clone3()'s CLONE_INTO_CGROUP; freeze it first for the
  *	clones to start frozen.
  * @source_ns: out: nanoseconds the sources spent running the forks, summed.
+ * @subst: in: with BUNSHIN_TREE_SUBST, a user pointer to struct
+ *	bunshin_tree_subst[subst_count]; 0 otherwise.
+ * @subst_count: in: with BUNSHIN_TREE_SUBST, 1 to BUNSHIN_TREE_SUBST_MAX;
+ *	0 otherwise.
+ * @reserved0: in: must be 0; out: 0.
  * @reserved: in: must be 0; out: 0.
  *
  * Every clone keeps its source's pid in the target's pid namespace where that
@@ -191,7 +231,7 @@ struct bunshin_fork_req {
  * that shared an end shares the new end), FIFOs reopened at the same path in
  * the target (unused there) and given the buffered data. Any other fd fails
  * the whole request with EINVAL, the kernel log naming the process, fd and
- * kind.
+ * kind. An fd named by a substitution holds the caller's file instead.
  *
  * Errors: those of BUNSHIN_IOC_FORK with BUNSHIN_FORK_CGROUP and
  * BUNSHIN_FORK_REOPEN_FILES, EBUSY (also: another request made the init of
@@ -199,7 +239,10 @@ struct bunshin_fork_req {
  * source whose parent is not an earlier entry, sources in several pid
  * namespaces, the same pid twice, a target whose pid namespace for children
  * is neither its own nor a new empty one, a pipe, FIFO or socket with an end
- * outside the tree, a multi-threaded source). On any error no clone is left:
+ * outside the tree, a multi-threaded source; unknown flags, a substitution
+ * naming an index out of range, an fd the source has not open or one fd
+ * twice, a nonzero reserved field of one), EBADF (a caller_fd not open),
+ * EFAULT (subst unreadable). On any error no clone is left:
  * those made are killed before they ever ran, and the sources resume
  * untouched.
  */
@@ -211,7 +254,10 @@ struct bunshin_tree_req {
 	__s32 target_pidfd;
 	__s32 cgroup_fd;
 	__u64 source_ns;
-	__u64 reserved[3];
+	__u64 subst;
+	__u32 subst_count;
+	__u32 reserved0;
+	__u64 reserved[1];
 };
 
 #define BUNSHIN_IOC_FORK_TREE	_IOWR(BUNSHIN_IOC_MAGIC, 0x02, struct bunshin_tree_req)
