@@ -34,6 +34,11 @@ DATA = "/tmp/bunshin-engine-data"
 MIB = 1 << 20
 
 
+
+# The interpreter the workspace runs its Python helpers with: the one behind this one's venv
+# (a workspace's root is the host's root, where a venv under /tmp, as in CI, is not visible).
+PYTHON = os.path.realpath(sys.executable)
+
 def import_checkout():
     """Import bunshin_async from the checkout, its extension from the build directory."""
     sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "MesonpyMetaFinder"]
@@ -161,7 +166,7 @@ async def _prepare(ba, b):
     task = ba.Task("t", ba.MemoryProfile(0, 0, 0.0), "engine test")
     ws = await b.create(task)
     out = await _sh(ba, b, ws, "export FOO=bar; mkdir -p /root/w; cd /root; echo hello > /root/w/file; sleep 1000 & echo $! > /root/w/bg.pid; "
-                               f"{sys.executable} -c {shlex.quote(HOG)} & echo $! > /root/w/hog.pid; "
+                               f"{PYTHON} -c {shlex.quote(HOG)} & echo $! > /root/w/hog.pid; "
                                "for i in $(seq 600); do [ -e /root/w/hog.ready ] && break; sleep 0.1; done; echo ok")
     assert out.strip() == "ok"
     return ws
@@ -228,7 +233,7 @@ def test_bunshin_fork_refused_cleanly(ba, spec):
             ws = await b.create(task)
             # an eventfd in a background process: the tree fork refuses it
             code = "import os, time; e = os.eventfd(0); open('/root/w/e.ready', 'w').close(); time.sleep(3600)"
-            await _sh(ba, b, ws, f"mkdir -p /root/w; {sys.executable} -c {shlex.quote(code)} & "
+            await _sh(ba, b, ws, f"mkdir -p /root/w; {PYTHON} -c {shlex.quote(code)} & "
                                  "for i in $(seq 600); do [ -e /root/w/e.ready ] && break; sleep 0.1; done")
             with pytest.raises(ba.BackendError, match="cannot fork the processes"):
                 await b.fork(ws)
