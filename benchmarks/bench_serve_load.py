@@ -126,7 +126,8 @@ async def load(url: str, args: argparse.Namespace) -> dict:
                 t = time.perf_counter()
                 r = await client.post(f"/sessions/{sid}/step", json={"call": call})
                 if r.status_code != 200:
-                    errors.append(f"step: {r.status_code} {r.text[:200]}")
+                    why = (await client.get(f"/sessions/{sid}")).json().get("reason")
+                    errors.append(f"step: {r.status_code} {r.text[:200]} (session: {why})")
                     return
                 latency.append(time.perf_counter() - t)
                 how = r.json()["served_by"]

@@ -50,7 +50,9 @@ the state directory, so ``bunshin gc`` removes it if the controller is killed.
 from __future__ import annotations
 
 import itertools
+import math
 import os
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -179,7 +181,11 @@ class LiveBackend(Backend):
         self._cold: dict[int, _Cold] = {}
         self._profiles: dict[str, MemoryProfile] = {}
         self._interval = memory_interval
-        self._ws_cache: tuple[float, int] | None = None
+        # the working set: the last measurement and when it was taken; after the first,
+        # measurements run in a thread (see working_set)
+        self._ws_value = 0
+        self._ws_at = -math.inf
+        self._ws_thread: threading.Thread | None = None
         self._n = dict(creates=0, forks=0, snapshots=0, replayed=0, demotes=0, promotes=0, executions=0, failed=0)
         self._secs = dict(boot=0.0, fork=0.0, frozen=0.0, max_frozen=0.0, ioctl=0.0)
         self._tree_forks = 0
@@ -203,7 +209,6 @@ class LiveBackend(Backend):
              *, frozen: bool, extra: tuple[Layer, ...] = (), image: Path | None = None) -> Workspace:
         ws = Workspace(task, next(self._ids), frozen)
         self._live[ws.id] = _Handle(ws, container, stack, log, extra, image)
-        self._ws_cache = None
         return ws
 
     async def _boot(self, task: Task, stack: tuple[Layer, ...]) -> Container:
@@ -454,7 +459,6 @@ class LiveBackend(Backend):
         if not res.ok:
             self._n["failed"] += 1
         st.log = (*st.log, call)
-        self._ws_cache = None
         out = observation_bytes(res)
         return ToolResult(
             observation_digest=observation_digest(out),
@@ -502,7 +506,6 @@ class LiveBackend(Backend):
         st = self._get(handle)
         del self._live[handle.id]
         handle.released = True
-        self._ws_cache = None
         with anyio.CancelScope(shield=True):
             try:
                 if st.container is not None:
@@ -555,13 +558,30 @@ class LiveBackend(Backend):
         )
 
     def working_set(self) -> int:
+        """Resident pages of every live workspace and snapshot, measured by the page scanner at
+        most every ``memory_interval`` seconds. The first measurement is taken at once; later
+        ones run in a thread and this returns the latest one finished, so a scan over hundreds
+        of workspaces never blocks the event loop (the scanner releases the GIL). With nothing
+        live it is 0."""
+        if not self._live:
+            return 0
         now = anyio.current_time()
-        if self._ws_cache is not None and now - self._ws_cache[0] < self._interval:
-            return self._ws_cache[1]
-        scan = self._scan(list(self._live.values()))
-        value = 0 if scan is None else scan.resident * scan.page_size
-        self._ws_cache = (now, value)
-        return value
+        if self._ws_at == -math.inf:
+            self._measure(list(self._live.values()), now)
+        elif now - self._ws_at >= self._interval and (self._ws_thread is None or not self._ws_thread.is_alive()):
+            self._ws_thread = threading.Thread(
+                target=self._measure, args=(list(self._live.values()), now), name="bunshin-working-set", daemon=True
+            )
+            self._ws_thread.start()
+        return self._ws_value
+
+    def _measure(self, handles: list[_Handle], at: float) -> None:
+        try:
+            scan = self._scan(handles)
+        except (OSError, BackendError):  # a workspace went away mid-scan: keep the last value
+            return
+        self._ws_value = 0 if scan is None else scan.resident * scan.page_size
+        self._ws_at = at
 
     def live_handles(self) -> int:
         return len(self._live) + len(self._cold)
@@ -583,6 +603,8 @@ class LiveBackend(Backend):
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
+            if self._ws_thread is not None:  # a measurement in flight: let it end first
+                await anyio.to_thread.run_sync(self._ws_thread.join)
             for st in list(self._live.values()):
                 await self.release(st.handle)
             for cs in list(self._cold.values()):

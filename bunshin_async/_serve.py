@@ -1334,7 +1334,7 @@ class Service:
             if not s.ended.is_set():
                 result = group.scheduler.result(s.key)
                 if result is not None:
-                    self._end_session(s, result, "ended")
+                    self._end_session(s, result, result.error or "ended")
 
     def _end_session(self, s: _Session, result: RolloutResult | None, why: str) -> None:
         if s.end(result, why):
@@ -1865,8 +1865,10 @@ async def open_http_server(app: Any, *, host: str = "127.0.0.1", port: int = 0,
         def capture_signals(self) -> Iterator[None]:
             yield
 
+    # keep idle connections longer than clients do (httpx drops them after 5 s, uvicorn's default
+    # too): else a client may reuse a connection the server is closing, and a step is lost
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=graceful_timeout)
+                            timeout_graceful_shutdown=graceful_timeout, timeout_keep_alive=65)
     server = _Server(config)
     async with anyio.create_task_group() as tg:
         failed: list[BaseException] = []
