@@ -126,8 +126,10 @@ async def load(url: str, args: argparse.Namespace) -> dict:
                 t = time.perf_counter()
                 r = await client.post(f"/sessions/{sid}/step", json={"call": call})
                 if r.status_code != 200:
-                    why = (await client.get(f"/sessions/{sid}")).json().get("reason")
-                    errors.append(f"step: {r.status_code} {r.text[:200]} (session: {why})")
+                    info = (await client.get(f"/sessions/{sid}")).json()
+                    group = (await client.get(f"/groups/{info.get('group')}")).json()
+                    errors.append(f"step: {r.status_code} {r.text[:200]} (session: {info.get('reason')}; "
+                                  f"group: {group.get('error')})")
                     return
                 latency.append(time.perf_counter() - t)
                 how = r.json()["served_by"]

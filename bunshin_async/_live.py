@@ -214,7 +214,10 @@ class LiveBackend(Backend):
     async def _boot(self, task: Task, stack: tuple[Layer, ...]) -> Container:
         t0 = anyio.current_time()
         name = f"{_safe(task.id)}-{next(self._ids)}"
-        c = await open_container(self.spec, layers=[str(layer.path) for layer in stack], name=name, state=self._state)
+        try:
+            c = await open_container(self.spec, layers=[str(layer.path) for layer in stack], name=name, state=self._state)
+        except OSError as exc:  # fails this workspace's rollout only, as any backend error
+            raise BackendError(f"could not make workspace {name} of task {task.id!r}: {exc}") from exc
         self._secs["boot"] += anyio.current_time() - t0
         return c
 
@@ -333,7 +336,11 @@ class LiveBackend(Backend):
         self._secs["max_frozen"] = max(self._secs["max_frozen"], seconds)
 
     async def _shell(self, task: Task) -> Container:
-        return await open_shell(self.spec, name=f"{_safe(task.id)}-{next(self._ids)}", state=self._state)
+        name = f"{_safe(task.id)}-{next(self._ids)}"
+        try:
+            return await open_shell(self.spec, name=name, state=self._state)
+        except OSError as exc:
+            raise BackendError(f"could not make workspace {name} of task {task.id!r}: {exc}") from exc
 
     async def _fork_frozen(self, source: Container, shell: Container, below: tuple[Layer, ...]) -> tuple[Layer, ...]:
         """Freeze the live *source*, copy its upper directory into a layer over *below*, mount
