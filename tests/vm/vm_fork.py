@@ -698,9 +698,22 @@ def test_fork_reopens_files_in_the_target(dev: int, clean_world, target_cgroup) 
     w = clean_world
     source, target = w["source"], w["target"]
     tcg, tcg_fd = target_cgroup
-    freeze(w["cg"])
+
+    def position() -> int:
+        return int(dict(ln.split(":\t") for ln in Path(f"/proc/{source}/fdinfo/3").read_text().splitlines())["pos"])
+
+    # the source reads a record, then logs it: a freeze between the two would leave the log a
+    # record behind the offset, so freeze again until it lands between iterations
+    for _ in range(50):
+        freeze(w["cg"])
+        last = max(int(f[2]) for f in log_lines(w["log"]))
+        if position() == last * RECORD:
+            break
+        freeze(w["cg"], False)
+        time.sleep(0.01)
+    else:
+        pytest.fail("the source was never frozen between two iterations")
     before = fd_table(source)
-    last = max(int(f[2]) for f in log_lines(w["log"]))
     flags = FORK_REOPEN_FILES | FORK_CGROUP | FORK_SETSID
     child, _ = fork_ioctl(dev, source, w["pidfd"], flags=flags, cgroup_fd=tcg_fd)
     try:
