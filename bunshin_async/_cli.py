@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ._exceptions import BunshinError
+from ._exceptions import BunshinError, exception_leaves
 from ._scheduler import POLICIES, RunResult, SchedulerConfig
 from ._trace import Trace, check_trace, dump_trace, load_trace
 
@@ -365,12 +365,6 @@ def build_parser() -> argparse.ArgumentParser:
 _COMMAND_MODULES = ("_cmd_traces", "_cmd_reproduce", "_cmd_live", "_cmd_vm", "_cmd_check", "_cmd_serve")
 
 
-def _leaves(group: BaseException) -> list[BaseException]:
-    if isinstance(group, BaseExceptionGroup):
-        return [leaf for e in group.exceptions for leaf in _leaves(e)]
-    return [group]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``bunshin`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -383,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(Console(stderr=True), f"bunshin: error: {exc}")
         return 2
     except BaseExceptionGroup as group:  # a run's task groups wrap what failed inside them
-        ours = [e for e in _leaves(group) if isinstance(e, BunshinError)]
+        ours = [e for e in exception_leaves(group) if isinstance(e, BunshinError)]
         if not ours:
             raise
         _say(Console(stderr=True), f"bunshin: error: {type(ours[0]).__name__}: {ours[0]}")

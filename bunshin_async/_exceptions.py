@@ -22,6 +22,13 @@ __all__ = [
 ]
 
 
+def exception_leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside *exc*, exception groups flattened (*exc* itself if it is none)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in exception_leaves(e)]
+    return [exc]
+
+
 class BunshinError(Exception):
     """Base class of every error Bunshin raises on purpose."""
 

@@ -250,6 +250,25 @@ class SpecContext:
         """True if *prediction* is one of :attr:`predictions` (and they were read)."""
         return self._predictions is not None and any(prediction is p for p in self._predictions)
 
+    def check_choice(self, policy: SpeculationPolicy, choice: Prediction) -> Prediction:
+        """Return *choice* if it keeps the contract of :class:`SpeculationPolicy` (one of
+        :attr:`predictions`, and a branch free within the budget); else raise
+        :class:`~bunshin_async.PolicyError` naming *policy* and what it did."""
+        from ._exceptions import PolicyError
+
+        where = f"{self.rollout} step {len(self.calls)}"
+        if not self.offered(choice):
+            raise PolicyError(
+                f"speculation policy {policy_name(policy)} chose {choice!r}, which is not one of "
+                f"the prediction(s) it was offered for {where}"
+            )
+        if self.active >= self.budget:
+            raise PolicyError(
+                f"speculation policy {policy_name(policy)} started a branch for {where} while "
+                f"{self.active} ran, over its budget of {self.budget}"
+            )
+        return choice
+
     def expected_exec(self, tool: str, prior: float) -> float:
         """Mean execution time of *tool* in this run so far; of all tools if it has not run;
         *prior* before any call has run."""

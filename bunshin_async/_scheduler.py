@@ -26,7 +26,7 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from ._backend import Backend, CallContext, ToolResult, Workspace, WorkspaceMemory
-from ._exceptions import BackendError, ConfigError, ModelError, PolicyError
+from ._exceptions import BackendError, ConfigError, ModelError, exception_leaves
 from ._memory import MemoryAccountant, MemoryStatistics
 from ._plugins import (
     CacheabilityPolicy,
@@ -35,7 +35,6 @@ from ._plugins import (
     SpecContext,
     SpeculationPolicy,
     TailBenefitSpeculation,
-    policy_name,
     predict_checked,
 )
 from ._policy import Finish, Observation, Policy, SampleView
@@ -623,7 +622,7 @@ class Scheduler:
                 with scope:
                     await self._sample_loop(s, state)
             except* (BackendError, ModelError) as group:  # this sample fails; the batch goes on
-                error = "; ".join(f"{type(e).__name__}: {e}" for e in _leaves(group))
+                error = "; ".join(f"{type(e).__name__}: {e}" for e in exception_leaves(group))
             finally:
                 state.unfinished -= 1
                 self._set_running(-1)
@@ -835,17 +834,7 @@ class Scheduler:
         choice = policy.choose(ctx)
         if choice is None:
             return
-        if not ctx.offered(choice):
-            raise PolicyError(
-                f"speculation policy {policy_name(policy)} chose {choice!r}, which is not one of "
-                f"the prediction(s) it was offered for {s.key} step {len(s.calls)}"
-            )
-        if self._spec_active >= cfg.spec_budget:
-            raise PolicyError(
-                f"speculation policy {policy_name(policy)} started a branch for {s.key} step "
-                f"{len(s.calls)} while {self._spec_active} ran, over its budget of {cfg.spec_budget}"
-            )
-        call = choice.call
+        call = ctx.check_choice(policy, choice).call
         source: Workspace | Node
         if s.ws is not None and (not s.on_tree or s.ws_node is s.node):
             source = s.ws
@@ -900,13 +889,6 @@ class Scheduler:
             self._spec["misses"] += 1
         ws, branch.ws = branch.ws, None
         await self._release(ws)
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for e in group.exceptions:
-        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
-    return out
 
 
 async def run_rollouts(backend: Backend, policy: Policy, config: SchedulerConfig, **options: Any) -> RunResult:

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from .._exceptions import BunshinError, PolicyError
+from .._exceptions import BunshinError, PolicyError, exception_leaves
 from .._plugins import CacheabilityPolicy, EvictionPolicy, SpeculationPolicy
 from .._scheduler import RunResult, SchedulerConfig
 from .._selector import SpecToolSelector
@@ -87,17 +87,11 @@ def run_policies(
     return run_virtual(sim.run), sim
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
-    return [exc]
-
-
 def _run(trace: Trace, cfg: dict[str, Any], policies: PolicySet, **kw: Any) -> tuple[RunResult, Any]:
     try:
         return run_policies(trace, cfg, policies, **kw)
     except (BunshinError, BaseExceptionGroup) as exc:
-        leaves = _leaves(exc)
+        leaves = exception_leaves(exc)
         for leaf in leaves:
             if isinstance(leaf, PolicyError):
                 raise InvariantViolation(f"the policy broke its contract: {leaf}") from None

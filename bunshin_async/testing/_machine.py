@@ -20,8 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from .._backend import CallContext, Workspace
-from .._exceptions import PolicyError
-from .._plugins import LRUEviction, predict_checked, RecordedCacheability, SpecContext, TailBenefitSpeculation, policy_name
+from .._plugins import LRUEviction, RecordedCacheability, SpecContext, TailBenefitSpeculation, predict_checked
 from .._policy import Observation
 from .._scheduler import SchedulerConfig
 from .._selector import HistorySelector, Prediction
@@ -313,13 +312,7 @@ def policy_machine(
             choice: Prediction | None = policy.choose(ctx)
             if choice is None:
                 return
-            if not ctx.offered(choice):
-                raise PolicyError(f"speculation policy {policy_name(policy)} chose {choice!r}, which it was not offered")
-            if self.active >= self.config.spec_budget:
-                raise PolicyError(
-                    f"speculation policy {policy_name(policy)} started a branch while {self.active} ran, "
-                    f"over its budget of {self.config.spec_budget}"
-                )
+            choice = ctx.check_choice(policy, choice)
             if s.ws is not None and (not s.on_tree or s.ws_node is s.node):
                 ws = await self.backend.fork(s.ws)
             elif s.on_tree:
