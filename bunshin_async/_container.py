@@ -58,6 +58,7 @@ from ._cgroup import Cgroups, remove_group
 from ._exceptions import BackendError, ConfigError
 from ._spec import RenderedCall, WorkspaceSpec, render_call
 from ._state import GcReport, Record, StateDir, gc, process_start_time, remove_tree
+from . import _zygote
 from ._trace import ToolCall
 
 __all__ = ["Container", "ExecResult", "GcReport", "MemoryUsage", "StateDir", "gc", "open_container", "open_shell"]
@@ -107,7 +108,7 @@ class Container:
         self.mountpoint = os.path.join(self.dir, "rootfs")
         root = spec.root_dir.rstrip("/") + "/"
         self.lowermount = os.path.join(self.dir, "lower") if any(p.startswith(root) for p in layers) else None
-        self.cgroups = Cgroups(id)
+        self.cgroups = Cgroups(state.host_name(id))
         self.init_pid: int | None = None
         self.pidfd = -1
         self.agent_fd = -1  # the agent's fd number of its end of the socket pair
@@ -460,18 +461,13 @@ async def _open(spec: WorkspaceSpec, layers: tuple[str, ...], name: str | None, 
         _prepare_upper(ct, state)
         ct.cgroups.create(memory=spec.limits.memory, pids=spec.limits.pids)
         ct._limiter = anyio.CapacityLimiter(1)
+        await anyio.to_thread.run_sync(_zygote.ready)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        ct.agent_fd = child.fileno()  # the agent keeps its end at this number
         cgfd = os.open(ct.cgroups.v2, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if ct.cgroups.v2 else -1
-        flags = (c.CLONE_NEWPID | c.CLONE_NEWNS | c.CLONE_NEWUTS | c.CLONE_NEWIPC | c.CLONE_NEWNET
-                 | c.CLONE_NEWCGROUP | c.CLONE_PIDFD)
+        flags = c.CLONE_NEWPID | c.CLONE_NEWNS | c.CLONE_NEWUTS | c.CLONE_NEWIPC | c.CLONE_NEWNET | c.CLONE_NEWCGROUP
         try:
-            if cgfd >= 0:
-                pid, pidfd = c.clone3(flags | c.CLONE_INTO_CGROUP, cgroup_fd=cgfd)
-            else:
-                pid, pidfd = c.clone3(flags)
-            if pid == 0:
-                _child_main(child)
+            # cloned by the zygote, so that it shares no memory with this controller
+            pid, pidfd, ct.agent_fd = _zygote.clone("agent", flags, child, cgfd)
         except OSError as exc:
             parent.close()
             raise BackendError(f"workspace {id}: cannot clone its first process: {exc}") from None
@@ -731,14 +727,12 @@ async def open_shell(spec: WorkspaceSpec, *, name: str | None = None, state: Sta
         if ct.cgroups.v2 is None:
             raise BackendError(f"workspace {id}: a forked workspace needs a cgroup v2 hierarchy (freezer)")
         ct._limiter = anyio.CapacityLimiter(1)
+        await anyio.to_thread.run_sync(_zygote.ready)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cgfd = os.open(ct.cgroups.v2, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        flags = (c.CLONE_NEWNS | c.CLONE_NEWUTS | c.CLONE_NEWIPC | c.CLONE_NEWNET | c.CLONE_NEWCGROUP
-                 | c.CLONE_PIDFD | c.CLONE_INTO_CGROUP)
+        flags = c.CLONE_NEWNS | c.CLONE_NEWUTS | c.CLONE_NEWIPC | c.CLONE_NEWNET | c.CLONE_NEWCGROUP
         try:
-            pid, pidfd = c.clone3(flags, cgroup_fd=cgfd)
-            if pid == 0:
-                _holder_main(child)
+            pid, pidfd, _ = _zygote.clone("holder", flags, child, cgfd)
         except OSError as exc:
             parent.close()
             raise BackendError(f"workspace {id}: cannot clone its holder: {exc}") from None

@@ -25,9 +25,11 @@ The ``restart`` engine in detail:
   workspace snapshots it first;
 - ``demote`` archives a snapshot's own layer (its delta against its parent) with tar;
   ``promote`` extracts it again on top of the parent's layers;
-- memory is measured, not modelled: the page scanner (``/proc/PID/pagemap`` and
-  ``/proc/kpagecount``) over the processes of the workspaces, and the workspaces' memory
-  cgroups for the bytes a call dirtied.
+- memory is measured, not modelled, by the page scanner (``/proc/PID/pagemap`` and
+  ``/proc/kpagecount``) over the processes of the workspaces: the working set is the pages
+  they map and nothing else does, a call's bytes dirtied are how much its workspace's own
+  such pages grew, and :meth:`LiveBackend.task_profile` is the size the task's workspaces
+  reached.
 
 Snapshots of this engine hold no memory (their processes are gone), so
 :meth:`LiveBackend.snapshot_charge` is 0.
@@ -52,6 +54,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -113,7 +116,7 @@ class LiveStatistics(msgspec.Struct, frozen=True):
 
 
 class _Handle:
-    __slots__ = ("handle", "container", "stack", "log", "extra", "image")
+    __slots__ = ("handle", "container", "stack", "log", "extra", "image", "booted", "largest")
 
     def __init__(self, handle: Workspace, container: Container | None, stack: tuple[Layer, ...],
                  log: tuple[ToolCall, ...], extra: tuple[Layer, ...] = (), image: Path | None = None) -> None:
@@ -124,6 +127,8 @@ class _Handle:
         self.log = log  # calls run since the task's root, in order
         self.extra = extra  # more layers it holds (those a frozen container still mounts)
         self.image = image  # a criu snapshot's checkpoint directory
+        self.booted = False  # its processes were started afresh (create, a restart fork)
+        self.largest = 0  # the most bytes of its own it held when measured (before and after calls)
 
 
 class _Cold:
@@ -179,7 +184,8 @@ class LiveBackend(Backend):
         self._ids = itertools.count()
         self._live: dict[int, _Handle] = {}
         self._cold: dict[int, _Cold] = {}
-        self._profiles: dict[str, MemoryProfile] = {}
+        self._boot_times: dict[str, float] = {}  # per task: its first workspace's boot time
+        self._sizes: dict[str, list[int]] = {}  # per task: the largest own bytes of booted workspaces
         self._interval = memory_interval
         # the working set: the last measurement and when it was taken; after the first,
         # measurements run in a thread (see working_set)
@@ -226,9 +232,29 @@ class LiveBackend(Backend):
         return bool(tool is not None and tool.stateful)
 
     def task_profile(self, task_id: str) -> MemoryProfile | None:
-        """The memory profile measured when *task_id*'s first workspace booted: file-backed
-        and anonymous bytes of its memory cgroup, and the boot time."""
-        return self._profiles.get(task_id)
+        """The memory profile of *task_id*'s workspaces as measured, or None before one booted.
+
+        ``runtime_bytes`` is the median, over the task's workspaces whose processes were started
+        afresh (every workspace of the ``restart`` engine, the created ones otherwise), of the
+        most memory of its own each held: pages its processes map and nothing outside them
+        does (:meth:`_own_bytes`), measured at boot and around every call. A workspace grows
+        as its first calls run (the agent's first command, a shell session), and the
+        simulator's workspaces have a fixed size, so the size they reach is what the trace
+        gives it. ``image_bytes`` is 0: the workspaces' files are the host's page cache (the
+        root is read-only and shared), which their own bytes do not count. ``boot_time`` is
+        the first workspace's."""
+        if task_id not in self._sizes:
+            return None
+        # workspaces released so far, else those still live
+        sizes = self._sizes[task_id] or [st.largest for st in self._live.values()
+                                         if st.booted and st.handle.task.id == task_id]
+        if not sizes:
+            return None
+        return MemoryProfile(image_bytes=0, runtime_bytes=int(statistics.median(sizes)),
+                             boot_time=self._boot_times[task_id])
+
+    def _note_size(self, st: _Handle, nbytes: int) -> None:
+        st.largest = max(st.largest, nbytes)
 
     # -- Backend -----------------------------------------------------------------------------
 
@@ -236,12 +262,15 @@ class LiveBackend(Backend):
         t0 = anyio.current_time()
         container = await self._boot(task, ())
         self._n["creates"] += 1
-        if task.id not in self._profiles:
-            mem = container.memory()
-            self._profiles[task.id] = MemoryProfile(
-                image_bytes=mem.file, runtime_bytes=mem.anon, boot_time=anyio.current_time() - t0
-            )
-        return self._new(task, container, (), (), frozen=False)
+        self._boot_times.setdefault(task.id, anyio.current_time() - t0)
+        ws = self._new(task, container, (), (), frozen=False)
+        self._booted(self._live[ws.id])
+        return ws
+
+    def _booted(self, st: _Handle) -> None:
+        st.booted = True
+        self._note_size(st, self._own_bytes(st))
+        self._sizes.setdefault(st.handle.task.id, [])
 
     async def freeze(self, workspace: Workspace) -> Workspace:
         st = self._get(workspace)
@@ -281,7 +310,7 @@ class LiveBackend(Backend):
 
     def _adopt(self, kept: str, below: tuple[Layer, ...]) -> tuple[Layer, ...]:
         stack = self._layers.adopt(Path(kept), below)
-        self._state.remove(os.path.basename(kept) + ".layer")  # the store's record covers it now
+        self._state.remove(self._state.layer_record(kept))  # the store's record covers it now
         return stack
 
     async def snapshot(self, workspace: Workspace) -> Workspace:
@@ -390,6 +419,7 @@ class LiveBackend(Backend):
                 if self._stateful(call):
                     await container.call(call)
                     self._n["replayed"] += 1
+            self._booted(self._live[ws.id])
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.release(ws)
@@ -457,11 +487,12 @@ class LiveBackend(Backend):
         st = self._get(workspace)
         if workspace.frozen or st.container is None:
             raise BackendError(f"cannot execute {call.name!r} in {workspace!r}: it is a snapshot; fork it first")
-        before = st.container.memory()
+        before = self._own_bytes(st)
         t0 = anyio.current_time()
         res = await st.container.call(call)
         elapsed = anyio.current_time() - t0
-        after = st.container.memory()
+        after = self._own_bytes(st)
+        self._note_size(st, max(before, after))
         self._n["executions"] += 1
         if not res.ok:
             self._n["failed"] += 1
@@ -471,7 +502,7 @@ class LiveBackend(Backend):
             observation_digest=observation_digest(out),
             observation_size=len(out),
             exec_time=elapsed,
-            dirtied_bytes=max(0, after.anon - before.anon),
+            dirtied_bytes=max(0, after - before),
             output=out,
         )
 
@@ -513,6 +544,8 @@ class LiveBackend(Backend):
         st = self._get(handle)
         del self._live[handle.id]
         handle.released = True
+        if st.booted and not handle.frozen:
+            self._sizes[handle.task.id].append(st.largest)
         with anyio.CancelScope(shield=True):
             try:
                 if st.container is not None:
@@ -555,6 +588,11 @@ class LiveBackend(Backend):
                 continue
         return None
 
+    def _own_bytes(self, st: _Handle) -> int:
+        """Bytes of pages only this workspace's processes map (private and shared among them)."""
+        scan = self._scan([st])
+        return 0 if scan is None else (scan.private + scan.shared_inside) * scan.page_size
+
     def workspace_memory(self, workspace: Workspace) -> WorkspaceMemory:
         scan = self._scan([self._get(workspace)])
         if scan is None:
@@ -587,7 +625,7 @@ class LiveBackend(Backend):
             scan = self._scan(handles)
         except (OSError, BackendError):  # a workspace went away mid-scan: keep the last value
             return
-        self._ws_value = 0 if scan is None else scan.resident * scan.page_size
+        self._ws_value = 0 if scan is None else (scan.private + scan.shared_inside) * scan.page_size
         self._ws_at = at
 
     def live_handles(self) -> int:

@@ -10,8 +10,12 @@ Layout of a state directory (default ``/run/bunshin``, or ``$BUNSHIN_STATE_DIR``
 
     records/<id>.json      one record per workspace or kept layer
     gc.lock                taken while a gc runs
-    containers/<id>/       upper, work and rootfs of a workspace   } in the data directory:
-    layers/<id>/           read-only layers kept for snapshots       } see :class:`StateDir`
+    containers/<id>.<key>/ upper, work and rootfs of a workspace   } in the data directory:
+    layers/<id>.<key>/     read-only layers kept for snapshots       } see :class:`StateDir`
+
+Names outside the record directory (data directories, which several state directories may
+share, and cgroups, which the whole host shares) carry the state directory's :attr:`StateDir.key`,
+so two controllers with different state directories never collide on a workspace id.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
+import hashlib
 import os
 import shutil
 import time
@@ -136,18 +142,36 @@ class StateDir:
     def __repr__(self) -> str:
         return f"StateDir({self.path!r}, data={self.data!r})"
 
+    @functools.cached_property
+    def key(self) -> str:
+        """Eight hex digits naming this state directory (a digest of its path)."""
+        return hashlib.sha256(self.path.encode()).hexdigest()[:8]
+
+    def host_name(self, id: str) -> str:
+        """The host-wide name of workspace or layer *id*: its cgroups' and data directories'
+        name, unique across state directories."""
+        return f"{id}.{self.key}"
+
     def container_dir(self, id: str) -> str:
         """The data directory of workspace *id*."""
-        return os.path.join(self.data, "containers", id)
+        return os.path.join(self.data, "containers", self.host_name(id))
 
     def layer_dir(self, id: str) -> str:
         """The directory of kept layer *id*."""
-        return os.path.join(self.data, "layers", id)
+        return os.path.join(self.data, "layers", self.host_name(id))
+
+    def layer_record(self, path: str) -> str:
+        """The record id of the layer kept at *path* (a :meth:`layer_dir`)."""
+        name = os.path.basename(os.path.normpath(path))
+        suffix = "." + self.key
+        if not name.endswith(suffix):
+            raise ValueError(f"{path} is not a layer directory of {self!r}")
+        return name[: -len(suffix)] + ".layer"
 
     def drop_layer(self, path: str) -> None:
         """Remove a layer kept by :meth:`Container.destroy` and its record."""
         remove_tree(path)
-        self.remove(os.path.basename(path) + ".layer")
+        self.remove(self.layer_record(path))
 
     def new_record(self, id: str, **fields: object) -> Record:
         """A record of *id* owned by this process (not yet written)."""

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from hypothesis import settings
 
@@ -34,7 +35,10 @@ def _host_snapshot(state_path: str | None) -> dict[str, set[str]]:
                 children |= set(f.read().split())
         except FileNotFoundError:
             pass
-    snap["children"] = children
+    # the workspace zygote (bunshin_async._zygote) is started once per process, on first use
+    zygote = sys.modules.get("bunshin_async._zygote")
+    pid = zygote.running_pid() if zygote is not None else None
+    snap["children"] = children - {str(pid)}
     snap["links"] = set(os.listdir("/sys/class/net"))
     entries: set[str] = set()
     for base in filter(None, (state_path, "/run/bunshin", "/var/lib/bunshin")):

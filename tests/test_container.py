@@ -349,3 +349,67 @@ def test_gc_leaves_live_owners_alone(state):
             assert (await c.exec("echo still here")).ok
 
     run(main)
+
+
+def test_same_workspace_id_in_two_state_directories(state, tmp_path):
+    # Cgroups are host-wide and data directories may be shared (a state directory on a tmpfs
+    # keeps its data under /var/lib/bunshin): two controllers with their own state
+    # directories may name a workspace alike without colliding.
+    from bunshin_async._state import StateDir
+
+    other = StateDir(tmp_path / "other", data=state.data)
+
+    async def main():
+        async with open_container(make_spec(), name="same", state=state) as a, \
+                open_container(make_spec(), name="same", state=other) as b:
+            assert a.cgroups.v2 != b.cgroups.v2 and a.dir != b.dir
+            await a.exec("echo a > /root/f")
+            assert (await b.exec("cat /root/f")).status != 0
+        with pytest.raises(ConfigError, match="already exists"):
+            async with open_container(make_spec(), name="same", state=state):
+                async with open_container(make_spec(), name="same", state=state):
+                    pass
+
+    run(main)
+    assert gc(other).records == 0
+
+
+def test_agent_shares_no_memory_with_the_controller(state):
+    # The agent is cloned from the zygote, not from this process: pages this process writes
+    # after the workspace booted never become the agent's private copies.
+    import psutil
+
+    from bunshin_async import _zygote
+    from bunshin_async._bunshin_c import scan_pages
+
+    heap = bytearray(b"\2" * (32 << 20))  # resident in this process before the workspace exists
+
+    async def main():
+        async with open_container(make_spec(), state=state) as c:
+            agent = psutil.Process(c.init_pid)
+            assert agent.ppid() == os.getpid()  # CLONE_PARENT: still this process's child
+            assert c.init_pid != _zygote.running_pid()
+            before = scan_pages(c.pids())
+            heap[:: 4096] = b"\1" * len(heap[:: 4096])  # write every page of it
+            after = scan_pages(c.pids())
+            grown = (after.private - before.private) * after.page_size
+            assert grown < 4 << 20, f"the agent's private memory grew {grown} bytes"
+            assert (await c.exec("echo ok")).stdout == b"ok\n"
+
+    run(main)
+
+
+def test_a_dead_zygote_is_started_again(state):
+    from bunshin_async import _zygote
+
+    async def main():
+        async with open_container(make_spec(), state=state) as c:
+            assert (await c.exec("echo 1")).ok
+        pid = _zygote.running_pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        async with open_container(make_spec(), state=state) as c:
+            assert (await c.exec("echo 2")).stdout == b"2\n"
+        assert _zygote.running_pid() not in (None, pid)
+
+    run(main)

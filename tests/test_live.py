@@ -262,3 +262,33 @@ def test_gc_after_sigkill_in_the_middle_of_a_fork(state) -> None:
     assert not report.errors
     assert report.records >= 2  # the workspaces and the run's layer directory
     assert state.list() == []
+
+
+def test_memory_a_call_adds_and_the_task_profile(state) -> None:
+    # bytes dirtied: how much the workspace's own pages grew; the task profile: the size its
+    # workspaces reached (the simulator's workspaces have a fixed size)
+    grow = 4 << 20
+
+    async def main() -> None:
+        async with LiveBackend(spec(), state=state) as b:
+            assert b.task_profile(TASK.id) is None
+            ws = await b.create(TASK)
+            boot = b.task_profile(TASK.id)
+            assert boot is not None and 0 < boot.runtime_bytes < 16 << 20 and boot.image_bytes == 0
+            await b.execute(ws, sh("true"), CTX)  # the shell session starts
+            res = await b.execute(ws, sh(f"X=$(head -c {grow} /dev/zero | tr '\\0' a); echo ${{#X}}"), CTX)
+            assert res.output == f"{grow}\n".encode()
+            assert res.dirtied_bytes >= grow  # the variable lives on in the session's bash
+            small = await b.execute(ws, ToolCall("cat", {"path": "/etc/hostname"}), CTX)
+            assert small.dirtied_bytes < grow // 4
+            own = b.workspace_memory(ws).private_bytes
+            assert own >= boot.runtime_bytes + grow
+            other = await b.create(TASK)
+            for h in (ws, other):
+                await b.release(h)
+            # the median of the two booted workspaces: one grown, one as booted
+            prof = b.task_profile(TASK.id)
+            assert prof is not None and prof.boot_time == boot.boot_time
+            assert boot.runtime_bytes + grow // 2 <= prof.runtime_bytes <= own
+
+    anyio.run(main)

@@ -76,7 +76,10 @@ BACKEND = SimNodeBackend(encode_trace(TRACE))
 
 
 def _ray_processes() -> list[Any]:
-    return [p for p in psutil.Process().children(recursive=True)]
+    from bunshin_async import _zygote  # started by earlier live tests: not Ray's
+
+    zygote = _zygote.running_pid()
+    return [p for p in psutil.Process().children(recursive=True) if p.pid != zygote]
 
 
 @pytest.fixture(scope="module")
