@@ -665,3 +665,41 @@ def test_a_killed_live_service_leaves_nothing_and_its_restart_reports_the_lost_s
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "0 workspace handles left" in out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="live workspaces need root")
+def test_the_readme_trainer_example_runs_end_to_end(tmp_path) -> None:
+    # examples/trainer.py, as the README shows it, against `bunshin serve` on live workspaces
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "trainer.py"
+    proc = subprocess.Popen([sys.executable, "-m", "bunshin_async._cli", "serve", "--port", "0",
+                             "--state-dir", str(tmp_path / "state")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        url = None
+        for line in proc.stdout:
+            if m := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line):
+                url = m.group(1) + "/v1"
+                break
+        assert url, "the service did not start"
+        runs = []
+        for group in (4, 3):  # the second group finds the opening calls in the prefix tree
+            r = subprocess.run([sys.executable, str(example), "--url", url, "--group", str(group)],
+                               capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stdout + r.stderr
+            samples = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+            assert len(samples) == group and all(s["reward"] in (0.0, 1.0) for s in samples)
+            # samples 0 and 1 count right, sample 2 counts every file: the verifier tells them apart
+            assert [s["reward"] for s in samples][:3] == [1.0, 1.0, 0.0]
+            runs.append(samples)
+        assert all(s["served_by"][:2] == ["cache", "cache"] for s in runs[1])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "0 workspace handles left" in out, out
