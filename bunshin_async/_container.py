@@ -163,11 +163,33 @@ class Container:
                 self._dead = "did not answer in time"
                 return None
             except OSError as exc:
-                self._dead = f"connection lost ({exc.strerror or exc})"
+                self._dead = self._death() or f"connection lost ({exc.strerror or exc})"
                 return None
             if reply is None:
-                self._dead = "exited"
+                self._dead = self._death() or "exited"
             return reply
+
+    def _death(self) -> str | None:
+        """How the agent ended, if it has (it stays to be reaped: ``WNOWAIT``), else None."""
+        if self.pidfd < 0:
+            return None
+        for _ in range(50):  # its socket closes as it dies: give the exit a moment to show
+            try:
+                info = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except (OSError, AttributeError):
+                return None
+            if info is not None:
+                break
+            time.sleep(0.001)
+        else:
+            return None
+        if info.si_code == os.CLD_EXITED:
+            return f"exited with status {info.si_status}"
+        try:
+            name = signal.Signals(info.si_status).name
+        except ValueError:
+            name = str(info.si_status)
+        return f"died: killed by {name}"
 
     async def _rpc(self, msg: Any, timeout: float | None) -> Any:
         if self._destroying:

@@ -703,3 +703,45 @@ def test_the_readme_trainer_example_runs_end_to_end(tmp_path) -> None:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "0 workspace handles left" in out, out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="live workspaces need root")
+@pytest.mark.usefixtures("leak_check")
+def test_a_live_workspace_that_dies_fails_its_session_and_the_others_go_on(state) -> None:
+    import signal
+    from pathlib import Path
+
+    import psutil
+
+    pytest.importorskip("bunshin_async._bunshin_c")
+    sh = {"name": "shell", "arguments": {"command": "echo alive"}}
+    proc, url = _start_serve("--state-dir", state.path, "--policy", "base")
+    try:
+        with httpx.Client(base_url=url, trust_env=False, timeout=60) as client:
+            client.post("/tasks", json={"id": "d", "description": "a task"}).raise_for_status()
+            group = client.post("/tasks/d/groups", json={"size": 3, "wait": 30}).json()
+            for sid in group["sessions"]:
+                assert client.post(f"/sessions/{sid}/step", json={"call": sh}).status_code == 200
+            # the workspaces' agents are the service's children (the zygote clones them with
+            # CLONE_PARENT), each in its workspace's cgroup; the zygote is a child too
+            agents = [p for p in psutil.Process(proc.pid).children()
+                      if "/bunshin/" in Path(f"/proc/{p.pid}/cgroup").read_text()]
+            assert len(agents) == 3
+            agents[0].kill()  # one workspace dies under its session (a zombie until the service reaps it)
+            results = [client.post(f"/sessions/{sid}/step", json={"call": sh}) for sid in group["sessions"]]
+            failed = [sid for sid, r in zip(group["sessions"], results) if r.status_code != 200]
+            assert len(failed) == 1, [r.text for r in results]
+            r = results[group["sessions"].index(failed[0])]
+            assert r.status_code == 502 and "died: killed by SIGKILL" in r.json()["detail"], r.text
+            info = client.get(f"/sessions/{failed[0]}").json()
+            assert info["status"] == "failed" and info["reason"]
+            for sid in group["sessions"]:
+                if sid not in failed:  # the others go on, and close with their rewards
+                    assert client.post(f"/sessions/{sid}/step", json={"call": sh}).json()["served_by"] == "executed"
+                    client.post(f"/sessions/{sid}/close", json={"reward": 1.0}).raise_for_status()
+            s = client.get("/stats").json()
+            assert s["sessions_open"] == 0 and s["sessions_ended"]["failed"] == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "0 workspace handles left" in out, out
