@@ -264,12 +264,12 @@ class LiveBackend(Backend):
         self._n["creates"] += 1
         self._boot_times.setdefault(task.id, anyio.current_time() - t0)
         ws = self._new(task, container, (), (), frozen=False)
-        self._booted(self._live[ws.id])
+        await self._booted(self._live[ws.id])
         return ws
 
-    def _booted(self, st: _Handle) -> None:
+    async def _booted(self, st: _Handle) -> None:
         st.booted = True
-        self._note_size(st, self._own_bytes(st))
+        self._note_size(st, await self._measure_own(st))
         self._sizes.setdefault(st.handle.task.id, [])
 
     async def freeze(self, workspace: Workspace) -> Workspace:
@@ -419,7 +419,7 @@ class LiveBackend(Backend):
                 if self._stateful(call):
                     await container.call(call)
                     self._n["replayed"] += 1
-            self._booted(self._live[ws.id])
+            await self._booted(self._live[ws.id])
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.release(ws)
@@ -487,11 +487,11 @@ class LiveBackend(Backend):
         st = self._get(workspace)
         if workspace.frozen or st.container is None:
             raise BackendError(f"cannot execute {call.name!r} in {workspace!r}: it is a snapshot; fork it first")
-        before = self._own_bytes(st)
+        before = await self._measure_own(st)
         t0 = anyio.current_time()
         res = await st.container.call(call)
         elapsed = anyio.current_time() - t0
-        after = self._own_bytes(st)
+        after = await self._measure_own(st)
         self._note_size(st, max(before, after))
         self._n["executions"] += 1
         if not res.ok:
@@ -587,6 +587,11 @@ class LiveBackend(Backend):
             except ProcessLookupError:
                 continue
         return None
+
+    async def _measure_own(self, st: _Handle) -> int:
+        """:meth:`_own_bytes` in a worker thread (a scan takes about a millisecond or two; the
+        scanner releases the GIL)."""
+        return await anyio.to_thread.run_sync(self._own_bytes, st)
 
     def _own_bytes(self, st: _Handle) -> int:
         """Bytes of pages only this workspace's processes map (private and shared among them)."""
