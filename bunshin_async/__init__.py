@@ -100,6 +100,7 @@ from ._stats import (
 )
 from ._trace import (
     TRACE_VERSION,
+    ContextMessage,
     MemoryProfile,
     Rollout,
     RolloutKey,
@@ -138,6 +139,7 @@ __all__ = [
     "ColdSnapshot",
     "ConfigError",
     "Container",
+    "ContextMessage",
     "EvictionPolicy",
     "ExecResult",
     "ExternalPolicy",

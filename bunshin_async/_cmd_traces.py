@@ -141,6 +141,10 @@ def _eval_table(trace: Trace, scores: list[SelectorScore]) -> Table:
     for s in scores:
         t.add_row(s.name, f"{s.top1_name:.1%}", f"{s.top3_name:.1%}", f"{s.top1_call:.1%}", f"{s.top3_call:.1%}",
                   f"{s.mean_confidence:.2f}", f"{s.ece:.3f}", f"{s.latency_p50_us:,.0f}", f"{s.latency_p99_us:,.0f}")
+    steps = [s for r in trace.rollouts for s in r.steps]
+    heard = sum(bool(s.context) for s in steps)
+    t.caption = (f"conversation context on {heard} of {len(steps)} steps" if heard
+                 else "no conversation context in this trace (selectors predict from calls and observations)")
     return t
 
 

@@ -32,6 +32,7 @@ import msgspec
 from ._exceptions import TraceError
 from ._trace import (
     TRACE_VERSION,
+    ContextMessage,
     MemoryProfile,
     Rollout,
     Step,
@@ -377,6 +378,7 @@ def _openai_steps(traj: Any, model: ImportModel, b: _Builder, where: str) -> tup
             answers.setdefault(cid, []).append((j, content or ""))
     steps: list[Step] = []
     pending: list[str] = []  # model and user messages since the last observation
+    heard: list[ContextMessage] = []  # conversation text since the previous call
     for j, msg in enumerate(traj):
         role = msg["role"]
         content = msg.get("content")
@@ -386,6 +388,8 @@ def _openai_steps(traj: Any, model: ImportModel, b: _Builder, where: str) -> tup
         calls = msg.get("tool_calls") if role == "assistant" else None
         if not calls:
             pending.append(text)
+            if text and role in ("user", "assistant"):
+                heard.append(ContextMessage(role, text))
             continue
         _want(isinstance(calls, list), f"{where} field `traj[{j}].tool_calls`", "expected a list")
         parsed: list[tuple[ToolCall, str]] = []
@@ -431,7 +435,11 @@ def _openai_steps(traj: Any, model: ImportModel, b: _Builder, where: str) -> tup
                 dirtied_bytes=model.dirtied(call.name),
                 cacheable=call.name not in model.non_cacheable,
                 modelled=_OPENAI_MODELLED,
+                context=tuple(heard) if k == 0 else (),
             ))
+        # the text that came with these calls was written with them, not before them: it
+        # belongs to the next call's context
+        heard = [ContextMessage(role, text)] if text else []
     return steps, model.think(pending)
 
 
@@ -551,6 +559,7 @@ def _swe_steps(doc: dict[str, Any], path: str, model: ImportModel, b: _Builder) 
     else:
         raise TraceError(f"{path}: `$`: missing field `trajectory` (or `history`); not a SWE-agent .traj file")
     steps: list[Step] = []
+    opening = _swe_opening(doc)
     for action, obs, text, et in entries:
         action = action.strip()
         if not action:
@@ -569,8 +578,31 @@ def _swe_steps(doc: dict[str, Any], path: str, model: ImportModel, b: _Builder) 
             dirtied_bytes=model.dirtied(tool),
             cacheable=tool not in model.non_cacheable and shell_cacheable(action),
             modelled=tuple(modelled),
+            context=opening if not steps else (),
         ))
     return steps
+
+
+def _swe_opening(doc: dict[str, Any]) -> tuple[ContextMessage, ...]:
+    """The user messages of ``history`` before its first assistant message (the instance
+    prompt with the issue), demonstrations skipped: the first step's context. Later user
+    messages are observations, which the steps already record."""
+    hist = doc.get("history")
+    out: list[ContextMessage] = []
+    for m in hist if isinstance(hist, list) else ():
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") == "assistant":
+            break
+        if m.get("role") != "user" or m.get("is_demo") or m.get("message_type") == "demonstration":
+            continue
+        content = m.get("content")
+        if isinstance(content, list):  # SWE-agent 1.x: a list of parts
+            content = "".join(p.get("text", "") for p in content
+                              if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if isinstance(content, str) and content:
+            out.append(ContextMessage("user", content))
+    return tuple(out)
 
 
 # -- asciinema ---------------------------------------------------------------------------------

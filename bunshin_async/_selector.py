@@ -7,9 +7,10 @@ after the moment of prediction:
 
 - :class:`HistorySelector`, the first one: counts of what followed the same context, backing
   off from the whole prefix to bigrams;
-- :class:`BlendSelector`: a blend of exact-prefix, task-bigram and a generative name model
-  with argument filling (copying values from earlier calls and observations), with a
-  confidence calibrated on its own past predictions (see its docstring and
+- :class:`BlendSelector`: a blend of a conversation model (what followed similar
+  conversation in the task), exact-prefix, task-bigram and a generative name model with
+  argument filling (copying values from earlier calls, observations and the conversation),
+  with a confidence calibrated on its own past predictions (see its docstring and
   ``docs/traces.md``).
 
 Two baselines for evaluation are here too: :class:`FrequencySelector` (the most frequent
@@ -19,6 +20,11 @@ call) and :class:`NameBigramSelector` (the name that most often followed the las
 from __future__ import annotations
 
 import abc
+import functools
+import heapq
+import inspect
+import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -26,7 +32,7 @@ from typing import Any
 import msgspec
 
 from ._policy import Observation
-from ._trace import ToolCall, Trace, call_key
+from ._trace import ContextMessage, ToolCall, Trace, call_key
 
 __all__ = [
     "BlendSelector",
@@ -40,6 +46,19 @@ __all__ = [
 ObservationLike = Observation | str | None
 """What a selector is told about an observation: the :class:`Observation` itself, its digest,
 or nothing."""
+
+Conversation = Sequence[ContextMessage]
+"""The conversation that reached the policy before one call (:attr:`~bunshin_async.Step.context`)."""
+
+
+def accepts_contexts(selector: Any) -> bool:
+    """Whether *selector*'s ``predict`` takes the ``contexts`` keyword (selectors written
+    before it existed do not, and are called without it)."""
+    try:
+        params = inspect.signature(selector.predict).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "contexts" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class Prediction(msgspec.Struct, frozen=True):
@@ -58,21 +77,27 @@ class SpecToolSelector(abc.ABC):
     def predict(
         self, task: str, calls: Sequence[ToolCall], k: int = 1, *,
         observations: Sequence[ObservationLike] | None = None,
+        contexts: Sequence[Conversation] | None = None,
     ) -> list[Prediction]:
         """Return up to *k* predictions for the call after *calls*, most likely first.
 
         *observations*, when given, are what each of *calls* returned (an
         :class:`~bunshin_async.Observation`, a digest string, or None); a selector may copy
-        values from them into the predicted arguments.
+        values from them into the predicted arguments. *contexts*, when given, are the
+        conversation before each call (:attr:`~bunshin_async.Step.context`): one entry per
+        call in *calls* and, when present, one more for the call being predicted (what
+        reached the policy since its last call). Callers that predate *contexts* omit it, and
+        selectors that do not declare it are not given it.
         """
 
     @abc.abstractmethod
     def observe(
         self, task: str, calls: Sequence[ToolCall], *,
         observations: Sequence[ObservationLike] | None = None,
+        contexts: Sequence[Conversation] | None = None,
     ) -> None:
         """Learn from a finished trajectory of *task* that made *calls* (and observed
-        *observations*, when given)."""
+        *observations*, and heard *contexts* before each call, when given)."""
 
 
 class HistorySelector(SpecToolSelector):
@@ -107,6 +132,7 @@ class HistorySelector(SpecToolSelector):
     def observe(
         self, task: str, calls: Sequence[ToolCall], *,
         observations: Sequence[ObservationLike] | None = None,
+        contexts: Sequence[Conversation] | None = None,
     ) -> None:
         prefix: tuple[bytes, ...] = ()
         last: bytes | None = None
@@ -122,6 +148,7 @@ class HistorySelector(SpecToolSelector):
     def predict(
         self, task: str, calls: Sequence[ToolCall], k: int = 1, *,
         observations: Sequence[ObservationLike] | None = None,
+        contexts: Sequence[Conversation] | None = None,
     ) -> list[Prediction]:
         keys = tuple(call_key(c) for c in calls)
         last = keys[-1] if keys else None
@@ -160,14 +187,16 @@ class FrequencySelector(SpecToolSelector):
         self._counts: Counter[bytes] = Counter()
 
     def observe(self, task: str, calls: Sequence[ToolCall], *,
-                observations: Sequence[ObservationLike] | None = None) -> None:
+                observations: Sequence[ObservationLike] | None = None,
+                contexts: Sequence[Conversation] | None = None) -> None:
         for c in calls:
             k = call_key(c)
             self._calls.setdefault(k, c)
             self._counts[k] += 1
 
     def predict(self, task: str, calls: Sequence[ToolCall], k: int = 1, *,
-                observations: Sequence[ObservationLike] | None = None) -> list[Prediction]:
+                observations: Sequence[ObservationLike] | None = None,
+                contexts: Sequence[Conversation] | None = None) -> list[Prediction]:
         n = sum(self._counts.values())
         return [Prediction(self._calls[key], c / n) for key, c in self._counts.most_common(k)]
 
@@ -183,7 +212,8 @@ class NameBigramSelector(SpecToolSelector):
         self._calls: dict[bytes, ToolCall] = {}
 
     def observe(self, task: str, calls: Sequence[ToolCall], *,
-                observations: Sequence[ObservationLike] | None = None) -> None:
+                observations: Sequence[ObservationLike] | None = None,
+                contexts: Sequence[Conversation] | None = None) -> None:
         last: str | None = None
         for c in calls:
             key = call_key(c)
@@ -193,7 +223,8 @@ class NameBigramSelector(SpecToolSelector):
             last = c.name
 
     def predict(self, task: str, calls: Sequence[ToolCall], k: int = 1, *,
-                observations: Sequence[ObservationLike] | None = None) -> list[Prediction]:
+                observations: Sequence[ObservationLike] | None = None,
+                contexts: Sequence[Conversation] | None = None) -> list[Prediction]:
         counts = self._next.get(calls[-1].name if calls else None)
         if not counts:
             return []
@@ -205,8 +236,10 @@ class NameBigramSelector(SpecToolSelector):
 # -- the blend ---------------------------------------------------------------------------------
 
 _START = "\x00start"
+_WORD_RE = re.compile(r"[^\W_]+")  # a word: letters and digits
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _shape(value: str) -> str:
     """The shape of an id-like *value*: its length and its classes of characters (letters
     and digits by case, other characters as themselves), so ``JG7FMM`` and ``Z7GOZK`` share
@@ -215,12 +248,20 @@ def _shape(value: str) -> str:
     return f"{len(value)}:{''.join(sorted(classes))}"
 
 
+Said = tuple[str, tuple[str, ...]]
+"""A message's role and the id-like values it contained."""
+Talk = tuple[int, frozenset[str]]
+"""The dialogue state before a call: the index of the latest call before which the user
+spoke, and the words of the conversation from there on."""
+
+
 class _Context:
     """What a prediction needs about a prefix, computed once per prediction."""
 
-    __slots__ = ("calls", "keys", "last_value", "names", "obs_of", "task", "used")
+    __slots__ = ("calls", "keys", "last_value", "names", "obs_of", "said", "since", "task", "used", "words")
 
-    def __init__(self, task: str, calls: Sequence[ToolCall], values: Sequence[tuple[str, ...]]) -> None:
+    def __init__(self, task: str, calls: Sequence[ToolCall], values: Sequence[tuple[str, ...]],
+                 said: Sequence[Said] = (), talk: Talk | None = None) -> None:
         self.task = task
         self.calls = calls
         self.keys = [call_key(c) for c in calls]
@@ -236,16 +277,26 @@ class _Context:
                     self.used.setdefault((c.name, a), set()).add(v)
             if i < len(values) and values[i]:
                 self.obs_of[c.name] = values[i]
+        # the id-like values said in the conversation so far, per role, latest mention last
+        self.said: dict[str, dict[str, None]] = {}
+        for role, vals in said:
+            by_role = self.said.setdefault(role, {})
+            for v in vals:
+                by_role.pop(v, None)
+                by_role[v] = None
+        # the dialogue state (see Talk); since -1 and no words before the user spoke
+        self.since, self.words = talk if talk is not None else (-1, None)
 
     def rule_value(self, rule: tuple, name: str, arg: str) -> Any:
         """The value *rule* produces for argument *arg* of tool *name*, or ``_NONE``."""
         kind = rule[0]
         if kind == "same":
             return self.last_value.get(arg, _NONE)
-        if kind == "obs":
-            _, tool, shape = rule
+        if kind == "obs" or kind == "said":
+            _, source, shape = rule
             used = self.used.get((name, arg), ())
-            for v in self.obs_of.get(tool, ()):
+            vals = self.obs_of.get(source, ()) if kind == "obs" else reversed(self.said.get(source, {}))
+            for v in vals:
                 if v not in used and _shape(v) == shape:
                     return v
             return _NONE
@@ -256,32 +307,42 @@ _NONE = object()
 
 
 class BlendSelector(SpecToolSelector):
-    """Predicts the next call by blending four models, with a calibrated confidence.
+    """Predicts the next call by blending five models, with a calibrated confidence.
 
     Models, from the most to the least specific:
 
-    1. exact prefix: the calls that followed the same task and the same whole prefix;
-    2. task bigram: the calls that followed the same last call in the same task;
-    3. generative: a tool name from a name model (same task and last name; then over all
+    1. conversation (when the steps' conversation is known): the calls of the same task
+       that followed the same calls since the user last spoke, each counted by the cosine
+       similarity of what was said since then with what has been said now (TF-IDF over
+       words, binary term frequency, IDF over every such call learnt);
+    2. exact prefix: the calls that followed the same task and the same whole prefix;
+    3. task bigram: the calls that followed the same last call in the same task;
+    4. generative: a tool name from a name model (same task and last name; then over all
        tasks: last two names, last name, no context), with arguments filled by the most
        reliable rule for each: copy the latest value of the same argument name from the
-       prefix; copy the first unused value of the right shape from the latest observation of
-       a given tool (an id returned by one call passed to the next); or a constant (the
-       value most often used for it in the task, then anywhere). A rule's reliability is
-       its success rate in the trajectories seen, ``successes / (applications + 1)``.
+       prefix; copy the first unused value of the right shape from the latest observation
+       of a given tool (an id returned by one call passed to the next); copy the
+       latest-mentioned unused value of the right shape said by a given role in the
+       conversation so far (a reservation id the user typed); or a constant (the value most
+       often used for it in the task, then anywhere). A rule's reliability is its success
+       rate in the trajectories seen, ``successes / (applications + 1)``.
 
     The models are interpolated with Witten-Bell weights (a context seen ``n`` times with
     ``u`` distinct continuations gets weight ``n / (n + u)``; the rest goes to the next
-    model), which needs no tuned parameter. The blended probability is then calibrated on
-    the selector's own past: before a trajectory is learnt, each of its calls is predicted
-    and the outcome recorded in one of ``bins`` equal-width bins of the raw probability; the
-    confidence is ``(hits + prior * raw) / (predictions + prior)`` of the raw probability's
-    bin, so it starts at the raw probability and moves to the observed hit rate as evidence
+    model), which needs no tuned parameter; in the conversation model ``n`` is the sum of
+    the similarities, so an identical conversation counts as one observation and an
+    unrelated one as none. The blended probability is then calibrated on the selector's own
+    past: before a trajectory is learnt, each of its calls is predicted and the outcome
+    recorded in one of ``bins`` equal-width bins of the raw probability; the confidence is
+    ``(hits + prior * raw) / (predictions + prior)`` of the raw probability's bin, so it
+    starts at the raw probability and moves to the observed hit rate as evidence
     accumulates.
 
     Observation values (for the copy rule) come from :class:`Observation` outputs when the
     backend has them, otherwise from an index of digests to values (an importer stores one
-    in the trace; :meth:`fit` reads it, or pass ``observation_values``).
+    in the trace; :meth:`fit` reads it, or pass ``observation_values``). Conversation values
+    are the id-like values of each message's text, as
+    :func:`~bunshin_async.observation_values` finds them.
 
     Args:
         observation_values: Digest to values of observations (see
@@ -316,20 +377,30 @@ class BlendSelector(SpecToolSelector):
         self._values: dict[bytes, Any] = {}
         self._trajectories = 0
         self._obs_cache: dict[str, tuple[str, ...]] = {}
+        # the conversation model: every call learnt after the user spoke, as (words said
+        # since, call key), filed under its task and the calls made since the user spoke
+        self._docs: list[tuple[frozenset[str], bytes]] = []
+        self._by_talk: dict[tuple[str, tuple[bytes, ...]], list[int]] = {}
+        self._df: Counter[str] = Counter()  # in how many docs each word is
+        self._idf2: dict[str, float] = {}  # each word's squared IDF
+        self._norms: list[float] = []  # each doc's TF-IDF norm
+        self._text_cache: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {}
 
     # -- learning ------------------------------------------------------------------------------
 
     def fit(self, trace: Trace, *, rollouts: Iterable[Any] | None = None,
             before_epoch: int | None = None) -> BlendSelector:
         """Learn from the rollouts of *trace* (or only *rollouts*, or only those of epochs
-        before *before_epoch*), with the trace's observation-values index; return self."""
+        before *before_epoch*), with the trace's observation-values index and the steps'
+        conversation; return self."""
         from ._importers import observation_index
 
         self._index.update(observation_index(trace))
         for r in (trace.rollouts if rollouts is None else rollouts):
             if before_epoch is None or r.epoch < before_epoch:
                 self.observe(r.task, [s.call for s in r.steps],
-                             observations=[s.observation_digest for s in r.steps])
+                             observations=[s.observation_digest for s in r.steps],
+                             contexts=[s.context for s in r.steps])
         return self
 
     def add_observation_values(self, index: Mapping[str, Sequence[str]]) -> None:
@@ -367,12 +438,58 @@ class BlendSelector(SpecToolSelector):
                 out.append(self._index.get(o.digest, ()))
         return out
 
+    def _text(self, text: str) -> tuple[tuple[str, ...], frozenset[str]]:
+        """The id-like values and the words (lower case) of a message's *text*."""
+        got = self._text_cache.get(text)
+        if got is None:
+            from ._importers import observation_values
+
+            if len(self._text_cache) > 4096:
+                self._text_cache.clear()
+            got = self._text_cache[text] = (observation_values(text),
+                                            frozenset(_WORD_RE.findall(text.lower())))
+        return got
+
+    def _said(self, contexts: Sequence[Conversation] | None, n: int) -> list[Said]:
+        """Role and id-like values of each message in the first *n* of *contexts*."""
+        out = []
+        for conv in (contexts or ())[:n]:
+            for m in conv:
+                vals = self._text(m.text)[0]
+                if vals:
+                    out.append((m.role, vals))
+        return out
+
+    def _talk(self, contexts: Sequence[Conversation] | None, i: int) -> Talk | None:
+        """The dialogue state before call *i* (see :data:`Talk`): None if the user has not
+        spoken, or the conversation is not known."""
+        if not contexts:
+            return None
+        last = min(i, len(contexts) - 1)
+        u = last
+        while u >= 0 and not any(m.role == "user" for m in contexts[u]):
+            u -= 1
+        if u < 0:
+            return None
+        words: set[str] = set()
+        for conv in contexts[u: last + 1]:
+            for m in conv:
+                words |= self._text(m.text)[1]
+        return u, frozenset(words)
+
+    def _ctx(self, task: str, calls: Sequence[ToolCall], values: Sequence[tuple[str, ...]],
+             contexts: Sequence[Conversation] | None) -> _Context:
+        """The context for predicting the call after *calls* (the conversation up to it)."""
+        n = len(calls)
+        return _Context(task, calls, values, self._said(contexts, n + 1), self._talk(contexts, n))
+
     def observe(self, task: str, calls: Sequence[ToolCall], *,
-                observations: Sequence[ObservationLike] | None = None) -> None:
+                observations: Sequence[ObservationLike] | None = None,
+                contexts: Sequence[Conversation] | None = None) -> None:
         values = self._obs_values(observations, len(calls))
         if self._calibrate and self._trajectories:
             for i, call in enumerate(calls):
-                raw = self._raw(task, calls[:i], values[:i], 1)
+                raw = self._raw(self._ctx(task, calls[:i], values[:i], contexts), 1)
                 if raw:
                     b = min(self._bins - 1, int(raw[0][1] * self._bins))
                     self._tries[b] += 1
@@ -392,7 +509,11 @@ class BlendSelector(SpecToolSelector):
             self._name_bi.setdefault(prev, Counter())[name] += 1
             self._name_uni[name] += 1
             self._keysets.setdefault(name, Counter())[tuple(sorted(call.arguments))] += 1
-            ctx = _Context(task, calls[:i], values[:i])
+            ctx = self._ctx(task, calls[:i], values[:i], contexts)
+            if ctx.words is not None:
+                self._by_talk.setdefault((task, tuple(ctx.keys[ctx.since:])), []).append(len(self._docs))
+                self._docs.append((ctx.words, key))
+                self._df.update(ctx.words)
             for a, v in call.arguments.items():
                 vk = msgspec.json.encode(v, order="sorted")
                 self._values.setdefault(vk, v)
@@ -410,6 +531,10 @@ class BlendSelector(SpecToolSelector):
             h = hash((h, key))
             last_key = key
             prev2, prev = prev, name
+        if self._docs:  # the word weights change with every conversation learnt
+            n = len(self._docs)
+            self._idf2 = idf2 = {w: math.log(n / c) ** 2 for w, c in self._df.items()}
+            self._norms = [math.sqrt(sum(map(idf2.__getitem__, words))) for words, _ in self._docs]
 
     @staticmethod
     def _new_rules(ctx: _Context, name: str, arg: str, value: Any) -> list[tuple]:
@@ -419,20 +544,22 @@ class BlendSelector(SpecToolSelector):
             found.append(("same",))
         if isinstance(value, str):
             shape = _shape(value)
-            for tool, vals in ctx.obs_of.items():
-                if value in vals:
-                    rule = ("obs", tool, shape)
-                    if ctx.rule_value(rule, name, arg) == value:
-                        found.append(rule)
+            for kind, sources in (("obs", ctx.obs_of), ("said", ctx.said)):
+                for source, vals in sources.items():
+                    if value in vals:
+                        rule = (kind, source, shape)
+                        if ctx.rule_value(rule, name, arg) == value:
+                            found.append(rule)
         return found
 
     # -- predicting ----------------------------------------------------------------------------
 
     def predict(self, task: str, calls: Sequence[ToolCall], k: int = 1, *,
-                observations: Sequence[ObservationLike] | None = None) -> list[Prediction]:
-        values = self._obs_values(observations, len(calls))
+                observations: Sequence[ObservationLike] | None = None,
+                contexts: Sequence[Conversation] | None = None) -> list[Prediction]:
+        ctx = self._ctx(task, calls, self._obs_values(observations, len(calls)), contexts)
         out = []
-        for key, p in self._raw(task, calls, values, k):
+        for key, p in self._raw(ctx, k):
             out.append(Prediction(self._call_of(key), self.calibrated(p)))
         return out
 
@@ -452,25 +579,25 @@ class BlendSelector(SpecToolSelector):
             call = ToolCall(name, args)
         return call
 
-    def _raw(self, task: str, calls: Sequence[ToolCall], values: Sequence[tuple[str, ...]], k: int) -> list[tuple[bytes, float]]:
+    def _raw(self, ctx: _Context, k: int) -> list[tuple[bytes, float]]:
         if not self._trajectories:
             return []
-        ctx = _Context(task, calls, values)
+        task = ctx.task
         h = 0
         for key in ctx.keys:
             h = hash((h, key))
-        levels = [
+        levels: list[Mapping[bytes, float] | None] = [
+            self._conversation(ctx),
             self._prefix.get((task, h)),
             self._tbigram.get((task, ctx.keys[-1] if ctx.keys else None)),
         ]
         weights: list[float] = []
+        totals: list[float] = []
         rest = 1.0
         for counts in levels:
-            if counts:
-                n = sum(counts.values())
-                lam = n / (n + len(counts))
-            else:
-                lam = 0.0
+            n = sum(counts.values()) if counts else 0.0
+            lam = n / (n + len(counts)) if counts else 0.0
+            totals.append(n)
             weights.append(rest * lam)
             rest *= 1.0 - lam
         # candidates: the counted continuations and the generative model's best calls
@@ -481,14 +608,14 @@ class BlendSelector(SpecToolSelector):
             cands[key] = 0.0
         for counts in levels:
             if counts:
-                for key, _ in counts.most_common(k + 2):
+                for key in heapq.nlargest(k + 2, counts, key=counts.__getitem__):
                     cands[key] = 0.0
         scored = []
         for key in cands:
             p = 0.0
-            for counts, w in zip(levels, weights):
+            for counts, w, n in zip(levels, weights, totals):
                 if counts and w:
-                    p += w * counts.get(key, 0) / sum(counts.values())
+                    p += w * counts.get(key, 0) / n
             if rest:
                 g = gen.get(key)
                 if g is None:
@@ -497,6 +624,28 @@ class BlendSelector(SpecToolSelector):
             scored.append((p, key))
         scored.sort(key=lambda x: (-x[0], x[1]))
         return [(key, min(1.0, p)) for p, key in scored[:k] if p > 0.0]
+
+    def _conversation(self, ctx: _Context) -> dict[bytes, float] | None:
+        """The conversation model's counts (see the class docstring): the calls of the task
+        that followed the same calls since the user spoke, each counted by the cosine
+        similarity of the words said since with the current ones; None if none is similar."""
+        q = ctx.words
+        docs = self._by_talk.get((ctx.task, tuple(ctx.keys[ctx.since:]))) if q else None
+        if not docs:
+            return None
+        assert q is not None
+        idf2, norms, all_docs = self._idf2, self._norms, self._docs
+        qn = math.sqrt(sum(idf2.get(w, 0.0) for w in q))
+        if not qn:
+            return None
+        weight = idf2.__getitem__
+        counts: dict[bytes, float] = {}
+        for d in docs:
+            words, key = all_docs[d]
+            dot = sum(map(weight, q & words))
+            if dot > 0.0:
+                counts[key] = counts.get(key, 0.0) + dot / (qn * norms[d])
+        return counts or None
 
     def _name_dist(self, ctx: _Context) -> dict[str, float]:
         prev = ctx.names[-1] if ctx.names else _START

@@ -23,7 +23,7 @@ from itertools import combinations
 import msgspec
 
 from ._importers import OBSERVATION_VALUES_KEY, observation_index
-from ._selector import SpecToolSelector
+from ._selector import SpecToolSelector, accepts_contexts
 from ._trace import Rollout, Trace, call_key
 
 __all__ = [
@@ -238,7 +238,10 @@ def evaluate_selectors(
 
     Each held-out call is predicted from the calls before it and their observations (given
     as digests; a predictor with ``add_observation_values`` is told the values of each
-    observation of the held-out rollout once that observation has happened).
+    observation of the held-out rollout once that observation has happened) and, for a
+    predictor whose ``predict`` takes ``contexts``, the held-out rollout's conversation up
+    to that call (the steps' :attr:`~bunshin_async.Step.context` up to and including its
+    own: what had reached the policy when it began the call).
     """
     index = observation_index(trace)
     folds = loto_folds(trace)
@@ -246,15 +249,21 @@ def evaluate_selectors(
     for f, (held, train) in enumerate(folds):
         calls = [s.call for s in held.steps]
         digests = [s.observation_digest for s in held.steps]
+        contexts = [s.context for s in held.steps]
         for name, factory in factories.items():
             sel = factory(train)
             add = getattr(sel, "add_observation_values", None)
+            heard = accepts_contexts(sel)
             tl = tallies[name]
             for i, call in enumerate(calls):
                 if add is not None and i and digests[i - 1] in index:
                     add({digests[i - 1]: index[digests[i - 1]]})
                 t0 = time.perf_counter_ns()
-                preds = sel.predict(held.task, calls[:i], 3, observations=digests[:i])
+                if heard:  # the conversation up to the moment the policy began this call
+                    preds = sel.predict(held.task, calls[:i], 3, observations=digests[:i],
+                                        contexts=contexts[: i + 1])
+                else:
+                    preds = sel.predict(held.task, calls[:i], 3, observations=digests[:i])
                 tl["lat"].append((time.perf_counter_ns() - t0) / 1000)
                 key = call_key(call)
                 tl["n"] += 1

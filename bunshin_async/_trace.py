@@ -3,7 +3,8 @@
 A trace holds tasks (each with the memory profile of its workspace) and rollouts (one per
 sample of a GRPO group in an epoch), each a list of steps: the model's think time, the tool
 call, how long the call ran, a digest and size of its observation, how many bytes of the
-workspace it dirtied and whether its result may be cached.
+workspace it dirtied, whether its result may be cached and, where the source records it,
+the conversation that reached the model before the call.
 
 Every loader goes through :func:`load_trace`, which checks the version first, decodes the
 whole file strictly (no unknown fields, no missing ones) and then checks the cross references
@@ -25,6 +26,7 @@ from ._exceptions import TraceError
 __all__ = [
     "TRACE_VERSION",
     "ToolCall",
+    "ContextMessage",
     "Step",
     "Rollout",
     "RolloutKey",
@@ -70,8 +72,23 @@ def observation_digest(data: bytes | str) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()[:16]
 
 
-class Step(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One step of a rollout: the model thinks, emits a call, the workspace runs it."""
+class ContextMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A conversation message the policy saw before a call (see :attr:`Step.context`)."""
+
+    role: Name
+    """Who wrote it, as the source names it: ``"user"`` (a person or a simulated user, or
+    the task statement) or ``"assistant"`` (the policy's own text)."""
+    text: str
+    """The message's text."""
+
+
+class Step(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One step of a rollout: the model thinks, emits a call, the workspace runs it.
+
+    Fields left at their defaults are not written: a step without :attr:`context` encodes
+    to what every reader of schema version 1 accepts, including those that predate the field
+    (which is why adding it kept :data:`TRACE_VERSION` at 1).
+    """
 
     think_time: NonNegFloat
     """Seconds the model reasoned before emitting this call."""
@@ -90,6 +107,13 @@ class Step(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reads the clock or the network is not cacheable)."""
     modelled: tuple[str, ...] = ()
     """Names of the fields above whose values come from a model, not a recording."""
+    context: tuple[ContextMessage, ...] = ()
+    """The conversation text that reached the policy after it emitted the previous call and
+    before this one (user messages, the policy's own text messages, the text that came with
+    the previous call), in order; tool outputs are not here (see
+    :attr:`observation_digest`), nor the text emitted together with this call. Joined over
+    the steps so far it is the conversation the policy had seen when it made this call.
+    Empty when the source records no conversation."""
 
 
 class RolloutKey(msgspec.Struct, frozen=True, order=True):

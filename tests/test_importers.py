@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from bunshin_async import (
+    ContextMessage,
     ImportModel,
     TraceError,
     check_trace,
@@ -88,6 +89,42 @@ def test_openai_mapping(tmp_path: pathlib.Path) -> None:
     roundtrip(trace, tmp_path)
 
 
+def test_openai_conversation_context(tmp_path: pathlib.Path) -> None:
+    """Each step carries the user and assistant text that reached the policy since its
+    previous call: not the system prompt, not tool output, and not the text that came with
+    the call itself (that is the next step's)."""
+    traj = [
+        {"role": "system", "content": "policy"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Your user id?"},
+        {"role": "user", "content": "It is u_1."},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [tc("c1", "get_user_details", {"user_id": "u_1"})]},
+        {"role": "tool", "tool_call_id": "c1", "content": json.dumps({"reservations": ["AB12CD"]})},
+        {"role": "assistant", "content": None, "tool_calls": [
+            tc("c2", "get_reservation_details", {"reservation_id": "AB12CD"}),
+            tc("c3", "get_reservation_details", {"reservation_id": "EF34GH"})]},
+        {"role": "tool", "tool_call_id": "c2", "content": "{}"},
+        {"role": "tool", "tool_call_id": "c3", "content": "{}"},
+        {"role": "assistant", "content": "Which one?"},
+        {"role": "user", "content": "Cancel AB12CD."},
+        {"role": "assistant", "content": "", "tool_calls": [tc("c4", "cancel_reservation", {"reservation_id": "AB12CD"})]},
+        {"role": "tool", "tool_call_id": "c4", "content": "ok"},
+        {"role": "assistant", "content": "Done."},
+    ]
+    src = tmp_path / "talk.json"
+    src.write_text(json.dumps([{"task_id": "t", "trial": 0, "reward": 1.0, "traj": traj}]))
+    trace = import_openai(src)
+    steps = trace.rollouts[0].steps
+    u, a = "user", "assistant"
+    assert [s.context for s in steps] == [
+        (ContextMessage(u, "hi"), ContextMessage(a, "Your user id?"), ContextMessage(u, "It is u_1.")),
+        (ContextMessage(a, "Let me look."),),  # written with call 1: known before call 2, not 1
+        (),  # a parallel call of the same message
+        (ContextMessage(a, "Which one?"), ContextMessage(u, "Cancel AB12CD.")),
+    ]
+    roundtrip(trace, tmp_path)
+
+
 def test_openai_reused_call_ids_match_the_next_answer(tmp_path: pathlib.Path) -> None:
     traj = [
         {"role": "assistant", "tool_calls": [tc("same", "a", {})]},
@@ -142,6 +179,19 @@ def test_openai_bundled_sample_roundtrips(tmp_path: pathlib.Path) -> None:
     groups = list(trace.groups())
     assert [len(g) for g in groups] == [4] * 6
     assert check_trace(trace) == []  # deterministic tools: same call after same prefix, same result
+    # the conversation: every user message before a call is in the context of a step up to it
+    doc = json.loads(SAMPLE.read_text())
+    assert sum(bool(s.context) for r in trace.rollouts for s in r.steps) > 50
+    for rec in doc:
+        r = next(r for r in trace.rollouts if r.task == str(rec["task_id"]) and r.sample == rec["trial"])
+        if not r.steps:
+            continue
+        first_call = next(j for j, m in enumerate(rec["traj"]) if m.get("tool_calls"))
+        before = [m["content"] for m in rec["traj"][:first_call] if m["role"] == "user" and m.get("content")]
+        assert [m.text for m in r.steps[0].context if m.role == "user"] == before
+        heard = [m.text for s in r.steps for m in s.context if m.role == "user"]
+        users = [m["content"] for m in rec["traj"] if m["role"] == "user" and m.get("content")]
+        assert heard == users[: len(heard)]  # in order; the rest came after the last call
     roundtrip(trace, tmp_path)
 
 
@@ -183,6 +233,25 @@ def test_swe_agent_mapping_and_grouping(tmp_path: pathlib.Path) -> None:
     # a single file: the task is its stem
     one = import_swe_agent(tmp_path / "runs" / "run1" / "astropy__astropy-1" / "astropy__astropy-1.traj")
     assert [r.task for r in one.rollouts] == ["astropy__astropy-1"]
+
+
+def test_swe_agent_first_step_hears_the_issue(tmp_path: pathlib.Path) -> None:
+    """The instance prompt (the user messages of ``history`` before the first action,
+    demonstrations skipped) is the first step's context; later user messages are
+    observations, which the steps hold already."""
+    doc = swe_doc([("find_file setup.py", "Found", 0.1), ("submit", "diff", 0.1)])
+    doc["history"] = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "demo issue", "is_demo": True},
+        {"role": "user", "content": [{"type": "text", "text": "Fix the crash in "}, {"type": "text", "text": "io/fits.py"}]},
+        {"role": "assistant", "content": "I will look", "action": "find_file setup.py"},
+        {"role": "user", "content": "Found"},
+    ]
+    (tmp_path / "x.traj").write_text(json.dumps(doc))
+    steps = import_swe_agent(tmp_path / "x.traj").rollouts[0].steps
+    assert steps[0].context == (ContextMessage("user", "Fix the crash in io/fits.py"),)
+    assert steps[1].context == ()
+    roundtrip(import_swe_agent(tmp_path / "x.traj"), tmp_path)
 
 
 def test_swe_agent_history_only(tmp_path: pathlib.Path) -> None:
@@ -244,6 +313,7 @@ def test_asciinema_with_input_events(tmp_path: pathlib.Path) -> None:
     assert [s.cacheable for s in steps] == [True, False]
     assert steps[0].modelled == ("dirtied_bytes",)
     assert trace.tasks[0].description == "demo"
+    assert all(s.context == () for s in steps)  # a terminal recording has no conversation
     roundtrip(trace, tmp_path)
 
 

@@ -9,11 +9,13 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import pytest
 
 from bunshin_async import (
     BlendSelector,
     ConfigError,
+    ContextMessage,
     FrequencySelector,
     MemoryProfile,
     NameBigramSelector,
@@ -34,6 +36,7 @@ from bunshin_async import (
 )
 from bunshin_async._cli import main
 from bunshin_async._importers import OBSERVATION_VALUES_KEY, observation_index
+from bunshin_async._selector import accepts_contexts
 from sim import simulate
 
 SAMPLE = pathlib.Path("/work/shared/traces/tau-bench-airline-sample.json")
@@ -89,6 +92,74 @@ def test_blend_copies_an_argument_from_an_earlier_call() -> None:
         sel.observe(f"t-{rid}", [call("show", reservation_id=rid), call("cancel", reservation_id=rid)])
     (p,) = sel.predict("t-new", [call("show", reservation_id="r9x")])
     assert p.call == call("cancel", reservation_id="r9x")
+
+
+def user(text: str) -> ContextMessage:
+    return ContextMessage("user", text)
+
+
+def agent(text: str) -> ContextMessage:
+    return ContextMessage("assistant", text)
+
+
+def test_blend_copies_an_id_the_user_typed() -> None:
+    """An id the user typed is passed to the call, in a task never seen before; without
+    the conversation the selector can only guess a value seen elsewhere."""
+    sel = BlendSelector()
+    for task, rid in (("a", "AB12CD"), ("b", "EF34GH"), ("c", "JK56LM")):
+        sel.observe(task, [call("get_res", reservation_id=rid)],
+                    contexts=[[agent("Which reservation? Mine is ZZ99ZZ."), user(f"It is {rid}, thanks.")]])
+    said = [[agent("Which reservation?"), user("Please look at QQ77RR and XY12AB"), user("no, only QQ77RR")]]
+    (p,) = sel.predict("new", [], contexts=said)
+    assert p.call == call("get_res", reservation_id="QQ77RR")
+    # the latest mention wins, and a value already used for the argument is skipped
+    (p,) = sel.predict("new", [], contexts=[[user("QQ77RR, or rather XY12AB")]])
+    assert p.call == call("get_res", reservation_id="XY12AB")
+    (p,) = sel.predict("new", [call("get_res", reservation_id="XY12AB")],
+                       contexts=[[user("QQ77RR, or rather XY12AB")], [user("Not that one.")]])
+    assert p.call == call("get_res", reservation_id="QQ77RR")
+    # without the conversation: a value from the training data, never QQ77RR
+    (p,) = sel.predict("new", [])
+    assert p.call.arguments["reservation_id"] in {"AB12CD", "EF34GH", "JK56LM"}
+
+
+def test_blend_conversation_chooses_the_call() -> None:
+    """Trials of a task that diverge on what the user asked for: the conversation since the
+    user spoke picks the call; the call sequence alone cannot."""
+    lookup, cancel, change = call("lookup", rid="R1"), call("cancel", rid="R1"), call("change", rid="R1", cabin="economy")
+    sel = BlendSelector()
+    for i in range(6):
+        wants_cancel = i % 2 == 0
+        second = cancel if wants_cancel else change
+        ask = "Please cancel my trip, I am ill." if wants_cancel else "Please change my cabin to economy."
+        sel.observe("t", [lookup, second],
+                    contexts=[[user("Hi, my reservation is R1.")], [agent("Found it. What now?"), user(ask)]])
+    history = [[user("Hi, my reservation is R1.")]]
+    (p,) = sel.predict("t", [lookup], contexts=[*history, [agent("What now?"), user("I want to cancel it.")]])
+    assert p.call == cancel and p.confidence > 0.5
+    (p,) = sel.predict("t", [lookup], contexts=[*history, [user("Could you change the cabin to economy?")]])
+    assert p.call == change and p.confidence > 0.5
+    # unknown conversation: the two are a coin flip
+    preds = sel.predict("t", [lookup], k=2)
+    assert sorted(q.call.name for q in preds) == ["cancel", "change"] and all(q.confidence < 0.75 for q in preds)
+
+
+def test_contexts_keyword_is_optional_for_selectors() -> None:
+    class Old(SpecToolSelector):  # written before `contexts` existed
+        def observe(self, task, calls, *, observations=None) -> None:
+            pass
+
+        def predict(self, task, calls, k=1, *, observations=None) -> list[Prediction]:
+            return []
+
+    class Any_(Old):
+        def predict(self, task, calls, k=1, **context) -> list[Prediction]:
+            return []
+
+    assert not accepts_contexts(Old()) and accepts_contexts(Any_()) and accepts_contexts(BlendSelector())
+    for s in (FrequencySelector(), NameBigramSelector()):  # the baselines take and ignore it
+        s.observe("t", [A, B], contexts=[[user("x")], []])
+        assert s.predict("t", [A], contexts=[[user("x")], []]) == s.predict("t", [A])
 
 
 def test_blend_calibration_tracks_its_hit_rate() -> None:
@@ -151,6 +222,45 @@ def test_no_leakage_the_held_out_trial_is_never_trained_on() -> None:
         assert keys == {r.key for r in trace.rollouts} - {held.key}
 
 
+class Listening(SpecToolSelector):
+    """Records the conversation it is given when asked to predict."""
+
+    def __init__(self, log: list, trace: Trace) -> None:
+        self.log = log
+        self.trained = {s.context for r in trace.rollouts for s in r.steps if s.context}
+
+    def observe(self, task: str, calls: Sequence[ToolCall], *, observations=None, contexts=None) -> None:
+        raise AssertionError("not used")
+
+    def predict(self, task: str, calls: Sequence[ToolCall], k: int = 1, *, observations=None,
+                contexts=None) -> list[Prediction]:
+        self.log.append((task, len(calls), tuple(contexts), self.trained))
+        return []
+
+
+def test_no_leakage_of_the_conversation() -> None:
+    """Predicting call i of the held-out trial, a selector hears that trial's conversation up
+    to call i (what had reached the policy when it began the call), never later, and its
+    training trace holds no message of the held-out trial."""
+    base = small_trace()
+    rollouts = []
+    for n, r in enumerate(base.rollouts):
+        steps = [msgspec.structs.replace(s, context=(user(f"r{n} s{j}"),)) for j, s in enumerate(r.steps)]
+        rollouts.append(msgspec.structs.replace(r, steps=steps))
+    trace = msgspec.structs.replace(base, rollouts=rollouts)
+    log: list = []
+    evaluate_selectors(trace, {"listen": lambda tr: Listening(log, tr)})
+    it = iter(log)
+    for n, held in enumerate(trace.rollouts):
+        for i in range(len(held.steps)):
+            task, ncalls, heard, trained = next(it)
+            assert (task, ncalls) == (held.task, i)
+            assert heard == tuple(s.context for s in held.steps[: i + 1])
+            assert not any(m.text.startswith(f"r{n} ") for ctx in trained for m in ctx)
+            assert len(trained) == sum(len(r.steps) for r in trace.rollouts) - len(held.steps)
+    assert next(it, None) is None
+
+
 @needs_sample
 def test_no_leakage_of_observation_values_on_the_sample() -> None:
     trace = import_openai(SAMPLE)
@@ -192,7 +302,13 @@ def test_blend_on_the_sample_beats_the_baselines_and_is_fast() -> None:
     assert blend.top1_call > bigram.top1_call
     assert blend.top1_name >= bigram.top1_name
     assert blend.ece < 0.15
-    assert blend.latency_p99_us < 5000  # the benchmark checks the 1 ms target; tests stay robust
+    assert 0 < blend.latency_p50_us <= blend.latency_p99_us  # measured; bench_selector.py checks the 1 ms target
+    # the same without the steps' conversation: it helps (the README gives the figures)
+    deaf = msgspec.structs.replace(trace, rollouts=[
+        msgspec.structs.replace(r, steps=[msgspec.structs.replace(s, context=()) for s in r.steps])
+        for r in trace.rollouts])
+    (without,) = evaluate_selectors(deaf, {"blend": lambda tr: BlendSelector().fit(tr)})
+    assert blend.top3_call > without.top3_call and blend.top1_call >= without.top1_call
 
 
 @needs_sample

@@ -9,6 +9,7 @@ import pytest
 
 from bunshin_async import (
     TRACE_VERSION,
+    ContextMessage,
     MemoryProfile,
     Rollout,
     Step,
@@ -45,6 +46,66 @@ def test_round_trip(fmt: str, tmp_path) -> None:
     assert load_trace(path) == trace
     assert decode_trace(encode_trace(trace, fmt), fmt=fmt) == trace
     assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def with_context(trace: Trace) -> Trace:
+    r = trace.rollouts[0]
+    said = (ContextMessage("user", "cancel AB12CD please"), ContextMessage("assistant", "Sure, one moment."))
+    steps = [msgspec.structs.replace(r.steps[0], context=said), *r.steps[1:]]
+    return msgspec.structs.replace(trace, rollouts=[msgspec.structs.replace(r, steps=steps), *trace.rollouts[1:]])
+
+
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+def test_round_trip_with_conversation_context(fmt: str, tmp_path) -> None:
+    trace = with_context(make_trace())
+    assert trace.rollouts[0].steps[0].context[0].text == "cancel AB12CD please"
+    path = tmp_path / f"t.{fmt}"
+    dump_trace(trace, path)
+    again = load_trace(path)
+    assert again == trace
+    assert again.rollouts[0].steps[0].context == trace.rollouts[0].steps[0].context
+    assert again.rollouts[0].steps[1].context == ()
+
+
+def test_context_is_optional_and_only_written_when_present() -> None:
+    """A step without context encodes as before the field existed (defaults left out), so a
+    reader of version 1 that predates it accepts the file; old files load with no context."""
+    plain = _json(make_trace())
+    assert plain["version"] == TRACE_VERSION == 1
+    assert all("context" not in s for r in plain["rollouts"] for s in r["steps"])
+
+    class OldStep(msgspec.Struct, forbid_unknown_fields=True):  # the schema before `context`
+        think_time: float
+        call: dict
+        exec_time: float
+        observation_digest: str
+        observation_size: int
+        dirtied_bytes: int
+        cacheable: bool = True
+        modelled: tuple[str, ...] = ()
+
+    old = msgspec.json.decode(msgspec.json.encode(plain["rollouts"][0]["steps"]), type=list[OldStep])
+    assert [s.observation_size for s in old] == [10, 20]
+    with pytest.raises(msgspec.ValidationError, match="context"):  # what an old reader says
+        msgspec.json.decode(msgspec.json.encode(_json(with_context(make_trace()))["rollouts"][0]["steps"]),
+                            type=list[OldStep])
+    # and a document written before the field existed (defaults spelled out) still loads
+    for r in plain["rollouts"]:
+        for s in r["steps"]:
+            s.update(cacheable=True, modelled=[])
+    trace = decode_trace(json.dumps(plain).encode(), fmt="json")
+    assert trace == make_trace() and trace.rollouts[0].steps[0].context == ()
+
+
+def test_bad_context_names_the_path(tmp_path) -> None:
+    doc = _json(with_context(make_trace()))
+    doc["rollouts"][0]["steps"][0]["context"][1]["role"] = ""
+    with pytest.raises(TraceError, match=r"\$\.rollouts\[0\]\.steps\[0\]\.context\[1\]\.role"):
+        load_trace(_write(tmp_path, doc))
+    doc = _json(with_context(make_trace()))
+    doc["rollouts"][0]["steps"][0]["context"][0]["speaker"] = "user"
+    with pytest.raises(TraceError, match=r"unknown field `speaker`"):
+        load_trace(_write(tmp_path, doc))
 
 
 def test_call_key_is_canonical() -> None:
