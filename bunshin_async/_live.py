@@ -76,6 +76,7 @@ from ._trace import TRACE_VERSION, MemoryProfile, Rollout, Step, Task, ToolCall,
 __all__ = ["ENGINES", "LiveBackend", "LiveStatistics", "demo_trace", "live_trace", "observation_bytes"]
 
 ENGINES = ("restart", "bunshin", "criu")
+_SCAN_DUTY = 4  # the working set is scanned at most once per this many times a scan's length
 """The fork engines of :class:`LiveBackend`."""
 
 
@@ -116,7 +117,7 @@ class LiveStatistics(msgspec.Struct, frozen=True):
 
 
 class _Handle:
-    __slots__ = ("handle", "container", "stack", "log", "extra", "image", "booted", "largest")
+    __slots__ = ("handle", "container", "stack", "log", "extra", "image", "booted", "largest", "own")
 
     def __init__(self, handle: Workspace, container: Container | None, stack: tuple[Layer, ...],
                  log: tuple[ToolCall, ...], extra: tuple[Layer, ...] = (), image: Path | None = None) -> None:
@@ -129,6 +130,7 @@ class _Handle:
         self.image = image  # a criu snapshot's checkpoint directory
         self.booted = False  # its processes were started afresh (create, a restart fork)
         self.largest = 0  # the most bytes of its own it held when measured (before and after calls)
+        self.own: int | None = None  # its own bytes after its last call, while nothing forked it since
 
 
 class _Cold:
@@ -192,6 +194,7 @@ class LiveBackend(Backend):
         self._ws_value = 0
         self._ws_at = -math.inf
         self._ws_thread: threading.Thread | None = None
+        self._ws_cost = 0.0  # seconds the last one took
         self._n = dict(creates=0, forks=0, snapshots=0, replayed=0, demotes=0, promotes=0, executions=0, failed=0)
         self._secs = dict(boot=0.0, fork=0.0, frozen=0.0, max_frozen=0.0, ioctl=0.0)
         self._tree_forks = 0
@@ -315,6 +318,7 @@ class LiveBackend(Backend):
 
     async def snapshot(self, workspace: Workspace) -> Workspace:
         st = self._get(workspace)
+        st.own = None
         if workspace.frozen or st.container is None:
             raise BackendError(f"cannot snapshot {workspace!r}: it is already a snapshot; fork it")
         c = st.container
@@ -395,6 +399,7 @@ class LiveBackend(Backend):
 
     async def fork(self, source: Workspace) -> Workspace:
         st = self._get(source)
+        st.own = None
         if self.engine == "bunshin" and (not source.frozen or st.container is not None):
             return await self._tree_fork(st)
         if self.engine == "criu" and st.image is not None:
@@ -487,11 +492,14 @@ class LiveBackend(Backend):
         st = self._get(workspace)
         if workspace.frozen or st.container is None:
             raise BackendError(f"cannot execute {call.name!r} in {workspace!r}: it is a snapshot; fork it first")
-        before = await self._measure_own(st)
+        # between calls what a workspace alone maps changes only by its background processes
+        # (their growth counts in the next call's) or by a fork or snapshot of it (its pages
+        # become shared with the clone), which forgets the last measurement
+        before = st.own if st.own is not None else await self._measure_own(st)
         t0 = anyio.current_time()
         res = await st.container.call(call)
         elapsed = anyio.current_time() - t0
-        after = await self._measure_own(st)
+        after = st.own = await self._measure_own(st)
         self._note_size(st, max(before, after))
         self._n["executions"] += 1
         if not res.ok:
@@ -608,17 +616,20 @@ class LiveBackend(Backend):
         )
 
     def working_set(self) -> int:
-        """Resident pages of every live workspace and snapshot, measured by the page scanner at
-        most every ``memory_interval`` seconds. The first measurement is taken at once; later
-        ones run in a thread and this returns the latest one finished, so a scan over hundreds
-        of workspaces never blocks the event loop (the scanner releases the GIL). With nothing
-        live it is 0."""
+        """Pages the processes of every live workspace and snapshot map and nothing else does,
+        measured by the page scanner at most every ``memory_interval`` seconds, and no more
+        often than every ``_SCAN_DUTY`` times the last scan's length (a scan over hundreds of
+        workspaces takes a good part of a second; this keeps it to a quarter of one core). The
+        first measurement is taken at once; later ones run in a thread and this returns the
+        latest one finished, so a scan never blocks the event loop (the scanner releases the
+        GIL). With nothing live it is 0."""
         if not self._live:
             return 0
         now = anyio.current_time()
         if self._ws_at == -math.inf:
             self._measure(list(self._live.values()), now)
-        elif now - self._ws_at >= self._interval and (self._ws_thread is None or not self._ws_thread.is_alive()):
+        elif (now - self._ws_at >= max(self._interval, _SCAN_DUTY * self._ws_cost)
+              and (self._ws_thread is None or not self._ws_thread.is_alive())):
             self._ws_thread = threading.Thread(
                 target=self._measure, args=(list(self._live.values()), now), name="bunshin-working-set", daemon=True
             )
@@ -626,10 +637,13 @@ class LiveBackend(Backend):
         return self._ws_value
 
     def _measure(self, handles: list[_Handle], at: float) -> None:
+        t0 = time.perf_counter()
         try:
             scan = self._scan(handles)
         except (OSError, BackendError):  # a workspace went away mid-scan: keep the last value
             return
+        finally:
+            self._ws_cost = time.perf_counter() - t0
         self._ws_value = 0 if scan is None else (scan.private + scan.shared_inside) * scan.page_size
         self._ws_at = at
 
