@@ -242,7 +242,7 @@ class _State:
         self.mapping: int | None = None  # page-model mapping
         self.labels: np.ndarray | None = None  # content of a checkpoint image held in tmpfs
         self.overhead = 0  # private bytes outside the page model
-        self.image_bytes = 0  # bytes of a checkpoint image held in tmpfs
+        self.image_bytes = 0  # bytes of a checkpoint image held in tmpfs (0 for one on disk)
         self.path = path  # path hash (ToolModel)
         self.depth = depth  # calls since the task's root
         self.replay_time = replay_time  # sum of those calls' exec times
@@ -382,8 +382,8 @@ class SimBackend(Backend):
             return min(dirtied_bytes, anon) + self.model.overhead_bytes(self._mapped_bytes(st))
         if self.engine == "microvm":  # CoW pages of the guest memory file
             return min(dirtied_bytes, anon)
-        if self.engine == "criu":  # a tmpfs image of all anonymous memory
-            return anon
+        if self.engine == "criu":  # an image of all anonymous memory: in tmpfs, or on disk
+            return anon if self.model.checkpoint_in_memory else 0
         return 0  # restart, cold: the snapshot holds no memory
 
     async def fork(self, source: Workspace) -> Workspace:
@@ -591,8 +591,10 @@ class SimBackend(Backend):
         return self._content(self._state(parent))
 
     def _hold_image(self, st: _State, labels: np.ndarray | None) -> None:
+        """Make *st* a checkpoint image with content *labels*: in tmpfs (its bytes count in the
+        working set) or on disk (they do not), as the engine keeps its images."""
         st.labels = labels
-        st.image_bytes = self._anon_bytes(st)
+        st.image_bytes = self._anon_bytes(st) if self.model.checkpoint_in_memory else 0
         self._image_total += st.image_bytes
 
     def _set_overhead(self, st: _State, nbytes: int) -> None:

@@ -113,6 +113,11 @@ class EngineModel(msgspec.Struct, frozen=True, kw_only=True):
     """Whether a freshly booted workspace maps its image through the host's page cache, shared
     with every other workspace of the task (containers), rather than a private guest page cache
     (a microVM)."""
+    checkpoint_in_memory: bool = True
+    """Where a checkpoint image (``criu``'s dump of a workspace's anonymous memory) is kept:
+    True in tmpfs, counted in the working set for as long as the image lives; False on disk,
+    outside the working set, written and read at no more than ``disk_write_bandwidth`` and
+    ``disk_read_bandwidth``. Only ``criu`` makes checkpoint images."""
     freeze_time: float
     """Seconds to stop a workspace's processes for a snapshot (cgroup freeze, VM pause, overlay
     freeze); 0 where nothing is frozen."""
@@ -161,12 +166,20 @@ class EngineModel(msgspec.Struct, frozen=True, kw_only=True):
         return self.fork_base + self.fork_per_gib * mapped_bytes / GIB
 
     def dump_time(self, anon_bytes: int) -> float:
-        """Seconds for a CRIU dump of *anon_bytes* of anonymous memory."""
-        return self.dump_base + _per(anon_bytes, self.dump_bandwidth)
+        """Seconds for a CRIU dump of *anon_bytes* of anonymous memory (to disk: at the slower
+        of the dump and disk-write bandwidths)."""
+        bw = self.dump_bandwidth
+        if not self.checkpoint_in_memory:
+            bw = _slower(bw, self.disk_write_bandwidth)
+        return self.dump_base + _per(anon_bytes, bw)
 
     def restore_time(self, anon_bytes: int) -> float:
-        """Seconds for a CRIU restore of *anon_bytes* (or a microVM snapshot load: base only)."""
-        return self.restore_base + _per(anon_bytes, self.restore_bandwidth)
+        """Seconds for a CRIU restore of *anon_bytes* (from disk: at the slower of the restore
+        and disk-read bandwidths), or a microVM snapshot load (base only)."""
+        bw = self.restore_bandwidth
+        if not self.checkpoint_in_memory:
+            bw = _slower(bw, self.disk_read_bandwidth)
+        return self.restore_base + _per(anon_bytes, bw)
 
     def vm_snapshot_time(self, guest_bytes: int) -> float:
         """Seconds to pause a microVM and write *guest_bytes* of guest memory to its file."""
@@ -191,6 +204,15 @@ def _per(nbytes: int, bandwidth: float) -> float:
     if nbytes <= 0 or bandwidth <= 0:
         return 0.0
     return nbytes / bandwidth
+
+
+def _slower(a: float, b: float) -> float:
+    """The slower of two bandwidths, where 0 means "not used" (no limit)."""
+    if a <= 0:
+        return b
+    if b <= 0:
+        return a
+    return min(a, b)
 
 
 def _common(**overrides: str) -> dict[str, str]:

@@ -263,6 +263,47 @@ def test_bunshin_demote_and_promote_move_only_the_delta() -> None:
     run_virtual(main)
 
 
+def test_criu_checkpoints_on_disk_are_outside_the_working_set() -> None:
+    on_disk = msgspec.structs.replace(ENGINES["criu"], checkpoint_in_memory=False)
+
+    async def main() -> None:
+        be = backend(on_disk)
+        ws = await be.create(TASK)
+        # the snapshot charge of a checkpoint on disk is no memory; in tmpfs it is the image
+        assert be.snapshot_charge(ws, 8 * MIB) == 0
+        tmpfs = backend("criu")
+        assert tmpfs.snapshot_charge(await tmpfs.create(TASK), 8 * MIB) == RUNTIME
+        root = await be.freeze(ws)
+        assert be.working_set() == 0  # the dump is on disk, the process is gone
+        assert be.workspace_memory(root).private_bytes == 0
+        forks = [await be.fork(root) for _ in range(3)]
+        # the restores are private copies all the same
+        assert be.working_set() == IMAGE + 3 * RUNTIME + 3 * pt("criu")
+        await be.execute(forks[0], A, ctx(R0, 0))
+        snap = await be.freeze(forks[0])
+        assert be.working_set() == IMAGE + 2 * RUNTIME + 2 * pt("criu")
+        cold = await be.demote(snap, root)
+        assert cold.stored_bytes == 8 * MIB  # the delta against the root's image, as in tmpfs
+        back = await be.promote(cold, root)
+        assert be.workspace_memory(back).private_bytes == 0
+
+    run_virtual(main)
+
+
+def test_criu_checkpoints_on_disk_go_no_faster_than_the_disk() -> None:
+    tmpfs = ENGINES["criu"]
+    slow_disk = msgspec.structs.replace(tmpfs, checkpoint_in_memory=False, disk_write_bandwidth=64.0 * MIB,
+                                        disk_read_bandwidth=128.0 * MIB)
+    fast_disk = msgspec.structs.replace(tmpfs, checkpoint_in_memory=False)
+    # a fast disk leaves CRIU's own rates (measured on tmpfs) as the limit
+    assert fast_disk.dump_time(256 * MIB) == pytest.approx(tmpfs.dump_time(256 * MIB))
+    assert fast_disk.restore_time(256 * MIB) == pytest.approx(tmpfs.restore_time(256 * MIB))
+    # a slow one is the limit
+    assert slow_disk.dump_time(256 * MIB) == pytest.approx(tmpfs.dump_base + 4.0)
+    assert slow_disk.restore_time(256 * MIB) == pytest.approx(tmpfs.restore_base + 2.0)
+    assert ENGINES["criu"].checkpoint_in_memory  # the default: tmpfs (DESIGN.md)
+
+
 def test_criu_demote_frees_the_image() -> None:
     async def main() -> None:
         be = backend("criu")
