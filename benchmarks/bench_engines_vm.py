@@ -1,4 +1,4 @@
-"""The live backend's fork engines side by side in the lab VM: ``bunshin`` vs ``restart``.
+"""The live backend's fork engines side by side in the lab VM: ``bunshin`` vs ``criu`` and ``restart``.
 
     python benchmarks/bench_engines_vm.py [--repeats 5]
 
@@ -22,7 +22,7 @@ from bunshin_async._vm import DEFAULT_CACHE_DIR, VMError, run_vm
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--engines", default="bunshin,restart")
+    ap.add_argument("--engines", default="bunshin,criu,restart")
     ap.add_argument("--mem", default="2G")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--cache-dir", default=os.environ.get("BUNSHIN_VM_CACHE", DEFAULT_CACHE_DIR),

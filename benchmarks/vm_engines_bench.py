@@ -1,12 +1,13 @@
-"""In-guest part of bench_engines_vm.py: the live backend's ``bunshin`` engine vs ``restart``.
+"""In-guest part of bench_engines_vm.py: the live backend's ``bunshin`` engine against its
+baselines ``criu`` (checkpoint and restore) and ``restart`` (boot and replay).
 
 Runs only inside the lab VM, as root, with the module loaded (``bunshin vm run --load-module``).
 For each engine: a workspace whose shell session exports a variable and starts a background
 ``sleep`` and a background Python process holding 48 MiB; then ``--repeats`` forks of the live
 workspace (``LiveBackend.fork``), each released after its memory was read. Prints the fork
 latency (median, min, max), the source's frozen time per fork (bunshin: freeze, upper copy,
-holder mounts, tree fork, thaw; restart: the upper copy) and the clone's Rss and Pss right
-after the fork, and bunshin's ratios to restart.
+holder mounts, tree fork, thaw; criu: freeze, upper copy, the dump; restart: the upper copy)
+and the clone's Rss and Pss right after the fork, and bunshin's ratios to each baseline.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ async def bench(ba, spec, engine: str, repeats: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--engines", default="bunshin,restart")
+    ap.add_argument("--engines", default="bunshin,criu,restart")
     a = ap.parse_args()
     os.environ.setdefault("BUNSHIN_STATE_DIR", "/run/bunshin-bench")
     os.environ.setdefault("BUNSHIN_DATA_DIR", "/tmp/bunshin-bench")
@@ -134,12 +135,14 @@ def main() -> int:
           f"{'clone Rss MiB':>14} {'Pss MiB':>8}")
     for e, r in res.items():
         f = [x * 1e3 for x in r["fork"]]
+        ioctl = f"{med[e]['ioctl'] * 1e3:9.0f}" if e == "bunshin" else f"{'-':>9}"
         print(f"{e:8} {med[e]['fork'] * 1e3:8.0f} {min(f):7.0f} {max(f):7.0f} {med[e]['frozen'] * 1e3:10.0f} "
-              f"{min(r['frozen']) * 1e3:9.0f} {med[e]['ioctl'] * 1e3:9.0f} {med[e]['rss'] / MIB:14.1f} "
-              f"{med[e]['pss'] / MIB:8.1f}")
-    if "bunshin" in med and "restart" in med:
-        print(f"bunshin/restart: fork latency {med['bunshin']['fork'] / med['restart']['fork']:.2f}x, "
-              f"clone Pss {med['bunshin']['pss'] / max(1, med['restart']['pss']):.2f}x")
+              f"{min(r['frozen']) * 1e3:9.0f} {ioctl} {med[e]['rss'] / MIB:14.1f} {med[e]['pss'] / MIB:8.1f}")
+    for base in ("criu", "restart"):
+        if "bunshin" in med and base in med:
+            b, o = med["bunshin"], med[base]
+            print(f"bunshin/{base}: fork latency {b['fork'] / o['fork']:.2f}x, source frozen "
+                  f"{b['frozen'] / max(o['frozen'], 1e-9):.2f}x, clone Pss {b['pss'] / max(1, o['pss']):.2f}x")
     return 0
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "Ping",
     "Pong",
     "Ready",
+    "Rebind",
     "Shell",
     "recv",
     "send",
@@ -92,6 +93,14 @@ class Forked(msgspec.Struct, tag="forked"):
     proc: bool = True
 
 
+class Rebind(msgspec.Struct, tag="rebind"):
+    """Move the agent's channel into its own network namespace: the agent makes a new socket
+    pair there, sends one end back (``SCM_RIGHTS``, with the byte ``r``) on the old channel,
+    puts the other end at its channel's fd number (closing the old one) and answers with
+    :class:`Pong` on the new channel. The ``criu`` engine asks for it before a checkpoint: a
+    socket of the controller's network namespace is one CRIU cannot dump."""
+
+
 class Boot(msgspec.Struct, tag="boot"):
     """Sent once by the controller after the agent's process is placed in its cgroups: how
     to set the workspace up (see :func:`bunshin_async._container._child_main`)."""
@@ -113,6 +122,10 @@ class Boot(msgspec.Struct, tag="boot"):
     proc: bool = True
     """Mount ``/proc``. A holder (the parent of a forked workspace's pid 1, outside its pid
     namespace) does not: the agent's clone mounts it on :class:`Forked`."""
+    root_only: bool = False
+    """Mount the overlay root only, and stay where it is (no ``/proc``, ``/dev``, ``/sys``,
+    host name, loopback or ``pivot_root``): a holder whose mount namespace CRIU restores a
+    workspace from (``--root``), with the workspace's own mounts and namespaces from its image."""
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -159,7 +172,7 @@ class AgentError(msgspec.Struct, tag="error"):
     message: str
 
 
-Request = Exec | Shell | Ping | Forked
+Request = Exec | Shell | Ping | Forked | Rebind
 Reply = Ready | Pong | ExecResult | AgentError
 
 _HEADER = struct.Struct(">I")
@@ -465,6 +478,17 @@ class _Agent:
         self.reap()
         return Pong(sorted(n for n, p in self.sessions.items() if p.returncode is None), self.init_status)
 
+    def rebind(self) -> Pong:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            socket.send_fds(self.sock, [b"r"], [theirs.fileno()])
+        finally:
+            theirs.close()
+        os.dup2(mine.fileno(), self.sock.fileno(), inheritable=False)
+        mine.close()
+        self.reap()
+        return Pong(sorted(n for n, p in self.sessions.items() if p.returncode is None), self.init_status)
+
     def loop(self) -> None:
         sel = selectors.PollSelector()
         sel.register(self.sock, selectors.EVENT_READ)
@@ -487,6 +511,8 @@ class _Agent:
                     reply = self.shell(req)
                 elif isinstance(req, Forked):
                     reply = self.forked(req)
+                elif isinstance(req, Rebind):
+                    reply = self.rebind()
                 else:
                     self.reap()
                     reply = Pong(sorted(n for n, p in self.sessions.items() if p.returncode is None), self.init_status)

@@ -157,7 +157,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                   f"({stats.replayed_calls} stateful calls replayed), {stats.snapshots} snapshots, "
                   f"{stats.executions} calls run ({stats.failed_calls} failed), "
                   f"{stats.demotes} layers archived, {stats.promotes} restored"
-                  + (f"; {stats.tree_forks} process trees forked, workspaces frozen "
+                  + (f"; {stats.tree_forks} process trees {'restored' if args.engine == 'criu' else 'forked'}, "
+                     f"workspaces frozen "
                      f"{stats.frozen_seconds:.3f} s in all (longest {stats.max_frozen_seconds * 1e3:.0f} ms)"
                      if args.engine != "restart" else ""))
     dump_trace(recorded, args.out)
@@ -201,7 +202,7 @@ def register(sub: argparse._SubParsersAction, trace_sub: argparse._SubParsersAct
     p.add_argument("--policy", choices=("base", "spec", "full"), default="full", help="default full")
     p.add_argument("--engine", choices=("restart", "bunshin", "criu"), default="restart",
                    help="how forks are made: restart (boot and replay), bunshin (the kernel module's "
-                        "tree fork), criu; default restart")
+                        "tree fork), criu (a checkpoint on tmpfs, restored); default restart")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-tasks", type=int, help="groups per training step (default 32)")
     p.add_argument("--group-size", type=int, help="samples per group (default: all the trace has)")

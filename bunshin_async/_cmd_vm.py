@@ -1,7 +1,7 @@
 """``bunshin vm``: the lab VM, for hosts that cannot load the kernel module.
 
 ``bunshin vm run -- CMD...``   boot Debian's kernel under qemu with this host's root file system
-                               shared read-only, run CMD there (in a chroot) and return its
+                               shared read-only as its root, run CMD there and return its
                                output and exit status;
 ``bunshin vm prepare``         download the kernel, build the initramfs and the module, no boot;
 ``bunshin vm test``            run the in-VM module test suite (tests/vm/) of a source checkout.
@@ -187,7 +187,7 @@ def register(sub: Any, trace_sub: Any) -> None:
     vsub = p.add_subparsers(dest="vm_command", required=True, metavar="SUBCOMMAND")
 
     r = vsub.add_parser("run", help="run CMD in the lab VM; exit with its status",
-                        description="Boot the lab VM and run CMD in a chroot into this host's root (read-only; "
+                        description="Boot the lab VM and run CMD in this host's root (the guest's root, read-only; "
                                     "/tmp, /run, /var/tmp and /dev/shm are tmpfs). The built module's path is "
                                     "in $BUNSHIN_KO.")
     _common(r)

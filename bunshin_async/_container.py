@@ -672,6 +672,8 @@ def _setup(boot: Boot) -> None:
         c.mount("overlay", t + "/root", "overlay", c.MS_RDONLY, f"lowerdir={lowers[-1]}:{t}/empty")
         lowers[-1] = t + "/root"
     c.mount("overlay", r, "overlay", 0, f"lowerdir={':'.join(lowers)},upperdir={boot.upper},workdir={boot.work}")
+    if boot.root_only:
+        return
     nosuid = c.MS_NOSUID | c.MS_NODEV | c.MS_NOEXEC
     os.makedirs(r + "/proc", exist_ok=True)
     if boot.proc:
@@ -771,9 +773,10 @@ async def open_shell(spec: WorkspaceSpec, *, name: str | None = None, state: Sta
         raise
 
 
-async def mount_shell(ct: Container, layers: Sequence[str]) -> None:
+async def mount_shell(ct: Container, layers: Sequence[str], *, root_only: bool = False) -> None:
     """Have the holder of *ct* mount the overlay (*layers* topmost first over the spec's root,
-    a fresh upper), /dev and /sys, pivot into it and unshare a new pid namespace."""
+    a fresh upper), /dev and /sys, pivot into it and unshare a new pid namespace. With
+    *root_only*, the overlay only, at ``ct.mountpoint`` (see :attr:`Boot.root_only`)."""
     spec, state = ct.spec, ct.state
     ct.layers = tuple(layers)
     root = spec.root_dir.rstrip("/") + "/"
@@ -794,6 +797,7 @@ async def mount_shell(ct: Container, layers: Sequence[str]) -> None:
         init=None,
         root_overlay=os.path.relpath(ct.lowermount, state.data) if ct.lowermount else None,
         proc=False,
+        root_only=root_only,
     )
     assert ct._holder is not None
     reply = await anyio.to_thread.run_sync(_boot, ct._holder, boot, abandon_on_cancel=True)

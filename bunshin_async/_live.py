@@ -334,9 +334,15 @@ class LiveBackend(Backend):
             return self._new(workspace.task, shell, stack, st.log, frozen=True)
         if self.engine == "criu":
             assert self._criu is not None
-            image = self._criu.new_image_dir()
+            await self._criu.prepare(c)  # the agent's channel where CRIU can dump it
+            image = self._criu.new_image_dir(self._state, self._run_id)
             t0 = time.perf_counter()
-            await c.freeze()
+            try:
+                await c.freeze()
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(remove_tree, str(image))
+                raise
             try:
                 stack = await anyio.to_thread.run_sync(self._layers.capture, Path(c.upper), st.stack)
                 try:
@@ -345,7 +351,8 @@ class LiveBackend(Backend):
                     self._layers.drop(stack)
                     raise
             except BaseException:
-                await anyio.to_thread.run_sync(remove_tree, str(image))
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(remove_tree, str(image))
                 raise
             finally:
                 with anyio.CancelScope(shield=True):
@@ -476,7 +483,7 @@ class LiveBackend(Backend):
         stack = self._layers.hold(st.stack)
         ws = self._new(st.handle.task, shell, stack, st.log, frozen=False)
         try:
-            await mount_shell(shell, [str(layer.path) for layer in stack])
+            await mount_shell(shell, [str(layer.path) for layer in stack], root_only=True)
             await self._criu.restore(st.image, shell)
             self._tree_forks += 1
             await start_forked(shell)

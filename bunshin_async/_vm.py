@@ -7,8 +7,9 @@ against Debian's ``linux-headers`` and tested in a small VM:
   are unpacked there (``dpkg-deb -x``): nothing is installed on the host, its boot is untouched;
 - the initramfs is busybox (Debian's ``busybox-static``) with the modules the kernel needs to
   mount a 9p root; its ``/init`` mounts the host root read-only over 9p, writable tmpfs on
-  ``/tmp``, ``/run`` and ``/dev/shm``, the writable shares, and ``chroot``\\ s into the host root
-  to run one command;
+  ``/tmp``, ``/run`` and ``/dev/shm``, the writable shares, and ``switch_root``\\ s into the
+  host root (which becomes the root of the mount namespace, as on a booted system) to run one
+  command;
 - the command's output and exit status are written to files on a writable 9p share (never
   through a pipe a background process could keep open), and the VM always powers off; the host
   kills qemu after a timeout.
@@ -68,10 +69,18 @@ _INIT_FAIL = "bunshin-init: FAILED:"
 # The guest's /init (busybox ash). The run directory (a writable 9p share, tag "results") holds
 # `job.sh` (the command), `shares` (one writable share path per line: tags share0, share1, ...),
 # and receives `stdout`, `stderr`, `status` and `boot` (the guest's uptime when the job starts).
+#
+# Stage 1 (in the initramfs) mounts the 9p host root on /host and everything the command sees
+# inside it, moves the initramfs's /proc, /sys and /dev there, and hands over with
+# `switch_root`: the host root is moved onto / (the initramfs is emptied), pid 1 and the kernel's
+# own threads (module requests) now see it as their root, and a mount namespace made later has
+# it as its root mount (a chroot would leave the initramfs there, which CRIU refuses to dump).
+# Stage 2 runs there with the host's static busybox (the one the initramfs was built from) and
+# the run directory's paths as they are on the host.
 _INIT = r"""#!/bin/busybox sh
 export PATH=/bin
 /bin/busybox --install -s /bin
-fail() { echo "bunshin-init: FAILED: $*" >/dev/console; sync; poweroff -f; sleep 60; }
+fail() { echo "bunshin-init: FAILED: $*"; sync; poweroff -f; sleep 60; }
 mount -t proc proc /proc || fail "mount /proc"
 mount -t sysfs sysfs /sys || fail "mount /sys"
 mount -t devtmpfs devtmpfs /dev || fail "mount /dev"
@@ -91,15 +100,10 @@ H=/host
 mkdir -p $H
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144,cache=loose hostroot $H \
   || fail "mount the host root (9p tag hostroot)"
+[ -x $H@BUSYBOX@ ] || fail "the host root has no @BUSYBOX@ (the busybox this initramfs was built from)"
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 results $H$RUN || fail "mount $RUN"
-# The image's whole module tree (depmod'ed on the host), for the kernel's own module requests.
-if [ -n "$MODROOT" ] && [ -d "$H$MODROOT/lib/modules" ]; then
-  mount --bind "$H$MODROOT/lib/modules" /lib/modules || fail "bind $MODROOT/lib/modules"
-fi
-mount -t proc proc $H/proc || fail "mount $H/proc"
-mount -t sysfs sysfs $H/sys || fail "mount $H/sys"
+for d in /proc /sys /dev; do mount --move $d $H$d || fail "move $d into the host root"; done
 mount -t cgroup2 cgroup2 $H/sys/fs/cgroup 2>/dev/null
-mount -t devtmpfs devtmpfs $H/dev || fail "mount $H/dev"
 mkdir -p $H/dev/pts $H/dev/shm
 mount -t devpts -o newinstance,ptmxmode=0666 devpts $H/dev/pts || fail "mount $H/dev/pts"
 mount -t tmpfs -o mode=1777 tmpfs $H/dev/shm || fail "mount $H/dev/shm"
@@ -112,19 +116,33 @@ while read -r p; do
   mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 "share$i" "$H$p" || fail "mount share $p"
   i=$((i + 1))
 done < $H$RUN/shares
+# The kernel's own module requests (CRIU's sock_diag, nf_tables, ...) after the switch: the
+# host's modprobe on the image's module tree (the host has no /lib/modules for this kernel).
+if [ -n "$MODROOT" ] && [ -d "$H$MODROOT/lib/modules" ]; then
+  printf '#!@BUSYBOX@ sh\nexec /sbin/modprobe -d %s "$@"\n' "$MODROOT" > $H$RUN/modprobe \
+    && chmod 755 $H$RUN/modprobe || fail "write $RUN/modprobe"
+fi
 ip link set lo up 2>/dev/null
 hostname bunshin-vm
-cat /proc/uptime > $H$RUN/boot
-chroot $H /usr/bin/env -i /bin/sh $RUN/job.sh > $H$RUN/stdout 2> $H$RUN/stderr
-echo $? > $H$RUN/status.tmp
-mv $H$RUN/status.tmp $H$RUN/status
-dmesg > $H$RUN/dmesg
-sync
-poweroff -f
-sleep 60
+STAGE2='@STAGE2@'
+exec switch_root $H @BUSYBOX@ sh -c "$STAGE2" stage2 "$RUN"
 """
 
-
+# Stage 2 of /init, pid 1 after switch_root ($1: the run directory). Every tool is the host's
+# static busybox, by absolute path.
+_STAGE2 = r"""B=@BUSYBOX@
+RUN=$1
+fail() { echo "bunshin-init: FAILED: $*"; $B sync; $B poweroff -f; $B sleep 60; }
+if [ -x $RUN/modprobe ]; then echo $RUN/modprobe > /proc/sys/kernel/modprobe; fi
+$B cat /proc/uptime > $RUN/boot || fail "write $RUN/boot"
+/usr/bin/env -i /bin/sh $RUN/job.sh > $RUN/stdout 2> $RUN/stderr
+echo $? > $RUN/status.tmp
+$B mv $RUN/status.tmp $RUN/status
+$B dmesg > $RUN/dmesg
+$B sync
+$B poweroff -f
+$B sleep 60
+"""
 
 
 class KernelTree(msgspec.Struct, frozen=True):
@@ -430,6 +448,14 @@ def _module_closure(modules_dir: str, names: Iterable[str]) -> list[str]:
     return sorted(seen)
 
 
+def _init_script(busybox: str) -> str:
+    """The initramfs's /init for a host whose static busybox is *busybox*."""
+    if "'" in _STAGE2:
+        raise AssertionError("stage 2 of /init is passed in single quotes: it must not contain one")
+    return (_INIT.replace("@STAGE2@", _STAGE2).replace("@ROOT_MODULES@", " ".join(ROOT_MODULES))
+            .replace("@BUSYBOX@", busybox))
+
+
 def build_initramfs(tree: KernelTree, cache_dir: str = DEFAULT_CACHE_DIR, step: Step = _no_step) -> str:
     """Build (or reuse) the busybox initramfs for *tree*; returns its path.
 
@@ -438,7 +464,7 @@ def build_initramfs(tree: KernelTree, cache_dir: str = DEFAULT_CACHE_DIR, step: 
     the module set changes.
     """
     busybox = _busybox()
-    init = _INIT.replace("@ROOT_MODULES@", " ".join(ROOT_MODULES))
+    init = _init_script(busybox)
     rel = _module_closure(tree.modules_dir, ROOT_MODULES)
     key = hashlib.sha256()
     key.update(init.encode())
@@ -529,7 +555,7 @@ _GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def _job_script(argv: Sequence[str], cwd: str, env: dict[str, str], load_module: str | None) -> str:
-    lines = ["# written by bunshin vm run: the command, run in the chroot", "set -u"]
+    lines = ["# written by bunshin vm run: the command, run in the host root", "set -u"]
     for k, v in env.items():
         lines.append(f"export {k}={shlex.quote(v)}")
     lines.append(f"cd {shlex.quote(cwd)} 2>/dev/null || cd /")
@@ -579,8 +605,8 @@ def run_vm(
     """Run *argv* in the lab VM and return its output and exit status.
 
     Args:
-        argv: the command, run in a chroot into the host root (read-only); call programs by
-            absolute path or rely on the standard ``PATH``.
+        argv: the command, run in the host root (read-only, the guest's root after
+            ``switch_root``); call programs by absolute path or rely on the standard ``PATH``.
         kernel_version: Debian's kernel ABI name (``6.1.0-56``); default: what
             ``linux-image-amd64`` depends on.
         mem: guest memory (qemu's ``-m``).
@@ -657,6 +683,9 @@ def run_vm(
         ]
         if not use_kvm:
             qargs[qargs.index("-accel") + 1] = "tcg,thread=multi" if cpus > 1 else "tcg"
+            # every instruction set extension TCG emulates (SSE4, AVX2, ...): the default qemu64
+            # model lacks what numpy's wheels need (they die of SIGILL)
+            qargs[qargs.index("-machine"):qargs.index("-machine")] = ["-cpu", "max"]
         for i, s in enumerate(shares):
             if "," in s:
                 raise VMError(f"--share {s}: qemu cannot share a path with a comma")

@@ -71,6 +71,7 @@
 #include <linux/pid.h>
 #include <linux/pid_namespace.h>
 #include <linux/refcount.h>
+#include <linux/rwsem.h>
 #include <linux/sched.h>
 #include <linux/sched/jobctl.h>
 #include <linux/sched/signal.h>
@@ -218,8 +219,18 @@ void bunshin_child_resume_here(struct task_struct *p)
 				 __O_SYNC | O_DIRECT | O_LARGEFILE | \
 				 O_DIRECTORY | O_NOFOLLOW | O_NOATIME | O_PATH)
 
-/* Make files current's table; returns the one it replaces. */
-struct files_struct *bunshin_swap_files(struct files_struct *files)
+/*
+ * A source makes its fork with another fd table than its own as
+ * current->files (the copy that holds the cgroup's fd, the clone's table).
+ * A tree fork reads each source's table from the caller's context: read
+ * while another request had its table swapped in, it would be that
+ * request's table, its files reopened in another target, and the fork
+ * refused (or worse). Every swap holds this shared until the source's own
+ * table is back; those reads hold it exclusive.
+ */
+static DECLARE_RWSEM(bunshin_swap_sem);
+
+static struct files_struct *bunshin_swap_files(struct files_struct *files)
 {
 	struct files_struct *old;
 
@@ -228,6 +239,44 @@ struct files_struct *bunshin_swap_files(struct files_struct *files)
 	current->files = files;
 	task_unlock(current);
 	return old;
+}
+
+/* Make files current's table until bunshin_files_back(); returns its own. */
+struct files_struct *bunshin_files_in(struct files_struct *files)
+{
+	down_read(&bunshin_swap_sem);
+	return bunshin_swap_files(files);
+}
+
+/* Give current its own table back; returns the one it replaces. */
+struct files_struct *bunshin_files_back(struct files_struct *own)
+{
+	struct files_struct *files = bunshin_swap_files(own);
+
+	up_read(&bunshin_swap_sem);
+	return files;
+}
+
+/*
+ * A reference to task's own fd table (never one a fork swapped in), and its
+ * root in *root; an ERR_PTR if it has none (exiting) or the caller is killed.
+ */
+struct files_struct *bunshin_task_files(struct task_struct *task,
+					struct path *root)
+{
+	struct files_struct *files = NULL;
+
+	if (down_write_killable(&bunshin_swap_sem))
+		return ERR_PTR(-EINTR);
+	task_lock(task);
+	if (task->files && task->fs) {
+		files = task->files;
+		atomic_inc(&files->count);
+		get_fs_root(task->fs, root);
+	}
+	task_unlock(task);
+	up_write(&bunshin_swap_sem);
+	return files ?: ERR_PTR(-ESRCH);
 }
 
 /* A private copy of the fd table oldf, or an ERR_PTR. */
@@ -249,7 +298,7 @@ struct files_struct *bunshin_dup_files(struct files_struct *oldf)
 /* Give current back its own table and drop the reference to the copy. */
 static void bunshin_restore_files(struct files_struct *own)
 {
-	bunshin_ksyms.put_files_struct(bunshin_swap_files(own));
+	bunshin_ksyms.put_files_struct(bunshin_files_back(own));
 }
 
 /* The next open file at or after *fd in files, a reference, or NULL. */
@@ -517,7 +566,7 @@ static int bunshin_fork_here(struct bunshin_fork_work *w)
 			files = NULL;
 			goto put_paths;
 		}
-		own_files = bunshin_swap_files(files);
+		own_files = bunshin_files_in(files);
 		if (w->flags & BUNSHIN_FORK_REOPEN_FILES) {
 			err = bunshin_reopen_files(files, &root);
 			if (err)

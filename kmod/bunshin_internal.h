@@ -80,7 +80,10 @@ void bunshin_set_child_fs(struct task_struct *p, struct path *root,
 void bunshin_leave_frozen(void);
 void bunshin_refreeze(void);
 void bunshin_child_resume_here(struct task_struct *p);
-struct files_struct *bunshin_swap_files(struct files_struct *files);
+struct files_struct *bunshin_files_in(struct files_struct *files);
+struct files_struct *bunshin_files_back(struct files_struct *own);
+struct files_struct *bunshin_task_files(struct task_struct *task,
+					struct path *root);
 struct files_struct *bunshin_dup_files(struct files_struct *oldf);
 struct file *bunshin_next_file(struct files_struct *files, unsigned int *fd,
 			       bool *cloexec);

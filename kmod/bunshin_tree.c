@@ -778,17 +778,9 @@ static int bunshin_tree_table(struct bunshin_tree *t,
 	bool cloexec;
 	int err = 0;
 
-	task_lock(pr->source);
-	src = pr->source->files;
-	if (src && pr->source->fs) {
-		atomic_inc(&src->count);
-		get_fs_root(pr->source->fs, &src_root);
-	} else {
-		src = NULL;
-	}
-	task_unlock(pr->source);
-	if (!src)
-		return -ESRCH;
+	src = bunshin_task_files(pr->source, &src_root);
+	if (IS_ERR(src))
+		return PTR_ERR(src);
 	files = bunshin_dup_files(src);
 	bunshin_ksyms.put_files_struct(src);
 	if (IS_ERR(files)) {
@@ -976,7 +968,7 @@ static int bunshin_tree_fork_here(struct bunshin_tree *t,
 		nr = 0;
 	}
 
-	own = bunshin_swap_files(pr->files);	/* the clone's table */
+	own = bunshin_files_in(pr->files);	/* the clone's table */
 	cgroup_fd = get_unused_fd_flags(O_CLOEXEC);
 	if (cgroup_fd < 0) {
 		err = cgroup_fd;
@@ -1022,7 +1014,7 @@ static int bunshin_tree_fork_here(struct bunshin_tree *t,
 close:
 	close_fd(cgroup_fd);	/* the clone shares the table: it loses it too */
 swap_back:
-	bunshin_swap_files(own);	/* pr->files keeps its reference */
+	bunshin_files_back(own);	/* pr->files keeps its reference */
 	revert_creds(own_cred);
 	put_cred(raised);
 	if (err)

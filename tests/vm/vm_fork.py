@@ -179,6 +179,25 @@ def freeze(cg: Path, frozen: bool = True) -> None:
     raise AssertionError(f"{cg} did not reach '{want}'")
 
 
+SYS_CLOCK_NANOSLEEP = 230  # x86-64: what time.sleep() waits in
+
+
+def freeze_between_lines(cg: Path, pid: int) -> None:
+    """Freeze *cg* with its source *pid* (source_main) asleep between two log lines.
+
+    A freeze stops a task at its next return to user space, which may be after the source read
+    its pid namespace for a line and before it wrote it: a child forked there first writes that
+    line, the source's pid namespace in it, so its own lines seem to start a counter late
+    (seen as "(last 4, first child line 6)"). Freeze again until the source is in its sleep."""
+    for _ in range(200):
+        freeze(cg)
+        if Path(f"/proc/{pid}/syscall").read_text().split()[0] == str(SYS_CLOCK_NANOSLEEP):
+            return
+        freeze(cg, False)
+        time.sleep(0.003)
+    raise AssertionError(f"source {pid} was never frozen in its sleep between two lines")
+
+
 def remove_cgroup(cg: Path) -> None:
     """Thaw *cg*, kill what is in it and remove it (its killed tasks may keep it busy a moment)."""
     if not cg.exists():
@@ -288,7 +307,7 @@ def test_fork_feature(dev: int) -> None:
 
 def test_fork_into_target(dev: int, world) -> None:
     source, target, pidfd, cg, log = world
-    freeze(cg)
+    freeze_between_lines(cg, source)
     before = wait_lines(log, lambda lines: True)
     last = max(int(f[2]) for f in before)
     t0 = time.perf_counter()
@@ -592,7 +611,7 @@ def test_fork_into_target_cgroup(dev: int, world, target_cgroup) -> None:
     """The child is born in the target cgroup, frozen there until that cgroup (only) thaws."""
     source, target, pidfd, cg, log = world
     tcg, tcg_fd = target_cgroup
-    freeze(cg)
+    freeze_between_lines(cg, source)
     last = max(int(f[2]) for f in wait_lines(log, lambda lines: True))
     child, _ = fork_ioctl(dev, source, pidfd, flags=FORK_CGROUP, cgroup_fd=tcg_fd)
     try:

@@ -644,6 +644,62 @@ def test_tree_fork_shares_memory_copy_on_write(dev: int, procs: Procs, tmp_path:
         ws.close()
 
 
+def test_concurrent_tree_forks_of_one_source(dev: int, procs: Procs, workspace: Workspace, target_cgroup) -> None:
+    """Two threads tree-fork the same frozen workspace at once, 60 times each, into two targets.
+
+    Each source makes its clone with the clone's fd table swapped in as its own; a request that
+    read that source's table meanwhile (its first phase, from the caller) got the other
+    request's table, whose files were reopened in the other target, and refused the fork with
+    EINVAL ("fd 0 is a character device 1:3 (outside the source's root)": about one scheduler
+    run in five on the live bunshin engine, which forks a snapshot for several samples at once).
+    Every fork must succeed."""
+    ws = workspace
+    tcg, tcg_fd = target_cgroup
+    tcg2 = make_cgroup(f"bunshin-tree-tgt2-{os.getpid()}-{time.monotonic_ns()}")
+    freeze(tcg2)
+    tcg2_fd = os.open(tcg2, os.O_PATH | os.O_CLOEXEC)
+    targets = [procs.spawn(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET,
+                           lambda: clean_target_main(str(ws.work))) for _ in range(2)]
+    pidfds = [os.pidfd_open(t) for t in targets]
+    errors: list[str] = []
+    counts = [0, 0]
+
+    def forks(i: int, cg: Path, cg_fd: int) -> None:
+        fd = os.open(DEVICE, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            for _ in range(60):
+                try:
+                    c.bunshin_fork_tree(fd, ws.pids, pidfds[i], cg_fd)
+                except OSError as exc:
+                    errors.append(f"request {i}, fork {counts[i]}: {exc}")
+                    return
+                counts[i] += 1
+                (cg / "cgroup.kill").write_text("1")
+        finally:
+            os.close(fd)
+
+    try:
+        for t in targets:
+            wait_for(lambda t=t: Path(f"/proc/{t}/root{ws.work}/ready").exists(), what="the targets' files")
+        freeze(ws.cg)
+        threads = [threading.Thread(target=forks, args=(0, tcg, tcg_fd)),
+                   threading.Thread(target=forks, args=(1, tcg2, tcg2_fd))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert errors == [], (errors, [ln for ln in kernel_log().splitlines() if "tree fork" in ln][-4:])
+        assert counts == [60, 60]
+        for cg, t in ((tcg, targets[0]), (tcg2, targets[1])):
+            wait_for(lambda cg=cg: not (cg / "cgroup.procs").read_text().split(), what="the clones to die")
+            wait_for(lambda t=t: tasks_in_pid_ns(t) == [t], what="the clones to be reaped")
+    finally:
+        for pidfd in pidfds:
+            os.close(pidfd)
+        os.close(tcg2_fd)
+        remove_cgroup(tcg2)
+
+
 def test_500_tree_forks_then_unload(procs: Procs, workspace: Workspace, target_cgroup,
                                     loaded_module: str) -> None:  # noqa: F811 (the fixture)
     """500 tree forks and kills in a row: no task, file or module reference left, no warning."""
