@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -27,6 +28,9 @@ from vm_engine import (  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(os.environ.get("BUNSHIN_VM") != "1" or os.geteuid() != 0,
                                 reason="runs only as root inside the lab VM (bunshin vm run)")
+# the VM runs the host's programs: Debian's criu must be installed there (.ci/run installs it)
+needs_criu = pytest.mark.skipif(shutil.which("criu") is None,
+                                reason="Debian's criu is not installed on the host (apt-get install criu)")
 
 # 48 MiB of random bytes; on SIGUSR1 their CRC goes to /root/w/hog.crc (written, then renamed)
 HOG = ("import os, signal, time, zlib\n"
@@ -56,6 +60,7 @@ def _criu_leftovers() -> list[str]:
     return out
 
 
+@needs_criu
 def test_criu_fork_keeps_state_isolates_and_copies(ba, spec):  # noqa: F811 (fixtures)
     async def main():
         async with ba._live.LiveBackend(spec, engine="criu") as b:
@@ -116,6 +121,7 @@ def test_criu_fork_keeps_state_isolates_and_copies(ba, spec):  # noqa: F811 (fix
     assert _criu_leftovers() == []
 
 
+@needs_criu
 def test_criu_dump_refused_cleanly(ba, spec):  # noqa: F811 (fixtures)
     """A connected TCP socket (CRIU dumps one only with --tcp-established): snapshot and fork
     raise BackendError naming CRIU's error, nothing is left, the source runs on; once that
@@ -165,6 +171,7 @@ def test_criu_engine_says_what_is_missing(ba, spec, monkeypatch):  # noqa: F811 
     assert DATA not in Path("/proc/self/mountinfo").read_text()
 
 
+@needs_criu
 def test_scheduler_replay_on_the_criu_engine(ba):  # noqa: F811 (the fixture)
     """The scheduler (prefix caching and speculation) replays the demo trace with its snapshots
     checkpointed and its forks restored by CRIU: every rollout finishes and nothing is left."""
