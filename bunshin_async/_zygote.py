@@ -106,6 +106,19 @@ def stop() -> None:
 atexit.register(stop)
 
 
+def _forget_inherited() -> None:
+    """In a child forked from a process that had a zygote: that zygote is the parent's (its
+    channel would carry both processes' requests), so this one starts its own on first use."""
+    global _proc, _chan, _lock
+    if _chan is not None:
+        _chan.close()  # this process's copy only: the parent's stays open
+    _proc = _chan = None
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_forget_inherited)
+
+
 def _channel() -> socket.socket:
     """The channel to a running zygote, started if need be (the caller holds ``_lock``)."""
     if _proc is not None and _proc.poll() is None and _chan is not None:

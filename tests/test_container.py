@@ -413,3 +413,34 @@ def test_a_dead_zygote_is_started_again(state):
         assert _zygote.running_pid() not in (None, pid)
 
     run(main)
+
+
+def test_a_forked_controller_gets_a_zygote_of_its_own(state):
+    # a process forked from a controller must not send requests down its parent's channel
+    from bunshin_async import _zygote
+
+    async def boot(tag):
+        async with open_container(make_spec(), state=state) as c:
+            return (await c.exec(f"echo {tag}")).stdout
+
+    assert run(boot, "parent") == b"parent\n"
+    parent_zygote = _zygote.running_pid()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: boot a workspace, report its zygote, exit without clean-up
+        code = 1
+        try:
+            os.close(r)
+            out = anyio.run(boot, "child")
+            os.write(w, f"{out.decode().strip()} {_zygote.running_pid()}".encode())
+            _zygote.stop()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        said = f.read().split()
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0 and said[0] == "child"
+    assert int(said[1]) != parent_zygote and _zygote.running_pid() == parent_zygote
+    assert run(boot, "again") == b"again\n"  # the parent's zygote still serves it
