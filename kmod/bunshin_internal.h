@@ -17,6 +17,7 @@ struct nsproxy;
 struct path;
 struct pid;
 struct task_struct;
+struct tty_struct;
 
 /*
  * Kernel internals the fork command needs. None of them is exported to
@@ -63,6 +64,9 @@ struct bunshin_ksyms {
 	long (*pipe_fcntl)(struct file *file, unsigned int cmd,
 			   unsigned long arg);	/* optional */
 	bool tree_ready;
+	/* Optional: without it a pty pair in the tree is refused. */
+	int (*ptm_open_peer)(struct file *master, struct tty_struct *tty,
+			     int flags);
 };
 
 extern struct bunshin_ksyms bunshin_ksyms;

@@ -103,6 +103,7 @@ int bunshin_ksyms_init(void)
 	k->pipe_fcntl = bunshin_lookup(lookup, "pipe_fcntl");
 	k->tree_ready = k->files_ready && k->session_ready &&
 			k->create_pipe_files;
+	k->ptm_open_peer = bunshin_lookup(lookup, "ptm_open_peer");
 #ifdef CONFIG_LRU_GEN
 	k->lru_gen_add_mm = bunshin_lookup(lookup, "lru_gen_add_mm");
 #endif

@@ -16,7 +16,9 @@
  *     pipe becomes a new pipe holding a copy of the buffered bytes, a FIFO
  *     is reopened at its path in the target (an unused FIFO there) and
  *     given a copy of the bytes, a unix socket pair becomes a new pair
- *     holding copies of both queues. Then every pipe, FIFO and pair is
+ *     holding copies of both queues, a pty pair a new master from the
+ *     target's /dev/ptmx and its peer slave (termios and window size
+ *     copied, buffered bytes not). Then every pipe, FIFO and pair is
  *     checked to have all its ends in the tree. Any other kind of fd fails
  *     the request here, before any task exists.
  *  2. Forks (in each source's context, task_work as in bunshin_fork.c,
@@ -30,8 +32,10 @@
  *     clone is moved under the clone of its source's parent (the root clone
  *     under the target's init, or under the target if the clone is the init
  *     of the target's new pid namespace) and gets the clones' session and
- *     process group; then all are woken, parents first. On any error every
- *     clone made is killed before it is woken: it never runs.
+ *     process group (and the new slave of its source's controlling tty, if
+ *     that pair was recreated); then all are woken, parents first. On
+ *     any error every clone made is killed before it is woken: it never
+ *     runs.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -94,6 +98,7 @@ struct bunshin_tree_proc {
 	int exit_signal;
 	bool subreaper;
 	u64 ns;				/* spent forking, in the source */
+	struct tty_struct *tty;		/* reference: the source's ctty */
 };
 
 /* A source open file and the one that replaces it in the clones. */
@@ -104,6 +109,7 @@ struct bunshin_tree_map {
 	pid_t pid;			/* the first holder (global pid), */
 	unsigned int fd;		/* and its fd: for the kernel log */
 	bool seen;			/* an fd of the tree holds src */
+	const char *unseen;		/* for the log if not: "a ... whose" */
 };
 
 /*
@@ -125,6 +131,20 @@ struct bunshin_tree_pipe {
 struct bunshin_tree_sock {
 	struct list_head node;
 	struct sock *src, *dst;
+};
+
+/*
+ * A source pty pair (Unix98, devpts) and the new one that replaces it: a new
+ * master opened from the target's /dev/ptmx; each source slave file becomes
+ * a new open file of its peer slave (ptm_open_peer()).
+ */
+struct bunshin_tree_pty {
+	struct list_head node;
+	struct tty_struct *src;		/* reference: the source master */
+	struct file *master;		/* reference: the new master */
+	struct pid *sid, *pgrp;		/* references: the source slave's */
+	pid_t pid;			/* the first holder and its fd */
+	unsigned int fd;
 };
 
 /* A caller's file that replaces a source's fd in its clone. */
@@ -149,7 +169,8 @@ struct bunshin_tree {
 	struct bunshin_tree_subst_k *subst;
 	unsigned int subst_count;
 	DECLARE_HASHTABLE(files, 8);
-	struct list_head pipes, socks;
+	struct list_head pipes, socks, ptys;
+	struct files_struct *table;	/* the clone's table being made */
 	char *buf;			/* PATH_MAX */
 };
 
@@ -705,6 +726,261 @@ static bool bunshin_is_tty(struct inode *inode)
 		 major < UNIX98_PTY_SLAVE_MAJOR + UNIX98_PTY_MAJOR_COUNT));
 }
 
+/* The tty of an open file of a Unix98 pty (either end), or NULL. */
+static struct tty_struct *bunshin_pty_of(struct file *file)
+{
+	struct tty_file_private *priv = file->private_data;
+	struct inode *inode = file_inode(file);
+	unsigned int major = imajor(inode);
+	struct tty_struct *tty;
+
+	if (!S_ISCHR(inode->i_mode) || (file->f_mode & FMODE_PATH) || !priv)
+		return NULL;
+	if (inode->i_rdev != MKDEV(TTYAUX_MAJOR, 2) &&
+	    (major < UNIX98_PTY_SLAVE_MAJOR ||
+	     major >= UNIX98_PTY_SLAVE_MAJOR + UNIX98_PTY_MAJOR_COUNT))
+		return NULL;
+	tty = priv->tty;
+	if (!tty || !tty->link || tty->driver->type != TTY_DRIVER_TYPE_PTY ||
+	    !(tty->driver->flags & TTY_DRIVER_DEVPTS_MEM))
+		return NULL;
+	return tty;
+}
+
+/* A reference to an open file of tty (a pty master has one), or NULL. */
+static struct file *bunshin_tty_file(struct tty_struct *tty)
+{
+	struct tty_file_private *priv;
+	struct file *file = NULL;
+
+	spin_lock(&tty->files_lock);
+	list_for_each_entry(priv, &tty->tty_files, list) {
+		if (get_file_rcu(priv->file)) {
+			file = priv->file;
+			break;
+		}
+	}
+	spin_unlock(&tty->files_lock);
+	return file;
+}
+
+/*
+ * The new pair for the source pty whose master is src: a new master opened
+ * from /dev/ptmx in the target's root (its devpts), whose slave gets the
+ * source slave's termios and window size, mapped from the source master's
+ * file (not yet seen if the tree's fd met is a slave).
+ */
+static struct bunshin_tree_pty *
+bunshin_tree_new_pty(struct bunshin_tree *t, pid_t pid, unsigned int fd,
+		     struct tty_struct *src)
+{
+	struct tty_struct *slave = src->link, *mtty;
+	struct file *src_master, *master, *ret;
+	const char *why = "whose master is closed";
+	struct bunshin_tree_pty *tp;
+	struct tty_ldisc *ld;
+	struct ktermios kt;
+	struct winsize ws;
+	int err = -EINVAL, num;
+	bool packet;
+
+	list_for_each_entry(tp, &t->ptys, node)
+		if (tp->src == src)
+			return tp;
+
+	src_master = bunshin_tty_file(src);
+	if (!src_master)
+		goto refuse;
+	ld = tty_ldisc_ref(slave);
+	num = ld ? ld->ops->num : -1;
+	if (ld)
+		tty_ldisc_deref(ld);
+	why = "has another line discipline than N_TTY";
+	if (num != N_TTY)
+		goto refuse_put;
+	tp = kzalloc(sizeof(*tp), GFP_KERNEL);
+	if (!tp) {
+		err = -ENOMEM;
+		goto put;
+	}
+	tp->src = tty_kref_get(src);
+	tp->pid = pid;
+	tp->fd = fd;
+	list_add_tail(&tp->node, &t->ptys);	/* freed with the tree */
+
+	why = "cannot be made again in the target (/dev/ptmx)";
+	master = file_open_root(&t->root, "/dev/ptmx",
+				O_RDWR | O_NOCTTY | (src_master->f_flags &
+				(O_NONBLOCK | O_LARGEFILE)), 0);
+	if (IS_ERR(master)) {
+		err = PTR_ERR(master);
+		goto refuse_put;
+	}
+	tp->master = master;
+	mtty = bunshin_pty_of(master);
+	err = -EINVAL;
+	if (!mtty || mtty->driver->subtype != PTY_TYPE_MASTER)
+		goto refuse_put;
+	/* Unlocked for the peers' opens; the source's lock is set back later. */
+	clear_bit(TTY_PTY_LOCK, &mtty->flags);
+
+	why = "has a termios or window size that cannot be set in the target";
+	down_read(&slave->termios_rwsem);
+	kt = slave->termios;
+	up_read(&slave->termios_rwsem);
+	err = tty_set_termios(mtty->link, &kt);
+	if (err)
+		goto refuse_put;
+	mutex_lock(&slave->winsize_mutex);
+	ws = slave->winsize;
+	mutex_unlock(&slave->winsize_mutex);
+	err = tty_do_resize(mtty->link, &ws);
+	if (err)
+		goto refuse_put;
+	spin_lock_irq(&src->ctrl.lock);
+	packet = src->ctrl.packet;
+	spin_unlock_irq(&src->ctrl.lock);
+	spin_lock_irq(&mtty->ctrl.lock);
+	mtty->ctrl.packet = packet;
+	spin_unlock_irq(&mtty->ctrl.lock);
+
+	ret = bunshin_tree_add(t, pid, fd, src_master, get_file(master), false);
+	if (IS_ERR(ret)) {
+		err = PTR_ERR(ret);
+		goto put;
+	}
+	fput(ret);
+	bunshin_tree_lookup(t, src_master)->unseen = "a pty slave whose master";
+	fput(src_master);
+	return tp;
+
+refuse_put:
+	fput(src_master);
+refuse:
+	pr_info("tree fork: source pid %d: fd %u is a pty (%s) that %s: the fork is refused (error %d)\n",
+		pid, fd, slave->name, why, err);
+	return ERR_PTR(err);
+put:
+	fput(src_master);
+	return ERR_PTR(err);
+}
+
+/* A new open file of the new pair's slave for the source slave file old. */
+static struct file *bunshin_tree_pty_slave(struct bunshin_tree *t, pid_t pid,
+					   unsigned int fd, struct file *old,
+					   struct bunshin_tree_pty *tp)
+{
+	int flags = (old->f_flags & (O_ACCMODE | O_NONBLOCK | O_APPEND |
+				     O_LARGEFILE)) | O_NOCTTY;
+	struct files_struct *own;
+	struct file *file;
+	int nfd;
+
+	/*
+	 * ptm_open_peer() installs the file in current's fd table: the
+	 * clone's private one is swapped in for it, and the fd taken out
+	 * again, so the caller's table never sees it. O_NOCTTY: the opener
+	 * never gets it as controlling tty.
+	 */
+	own = bunshin_files_in(t->table);
+	nfd = bunshin_ksyms.ptm_open_peer(tp->master, bunshin_pty_of(tp->master),
+					  flags);
+	file = nfd < 0 ? ERR_PTR(nfd) : close_fd_get_file(nfd);
+	bunshin_files_back(own);
+	if (!file)
+		file = ERR_PTR(-EBADF);
+	if (IS_ERR(file)) {
+		pr_info("tree fork: source pid %d: fd %u is a pty slave (%s) that cannot be opened again in the target: error %ld\n",
+			pid, fd, tp->src->link->name, PTR_ERR(file));
+		return file;
+	}
+	return bunshin_tree_add(t, pid, fd, old, file, true);
+}
+
+/* What replaces the source file old, an end of a Unix98 pty pair. */
+static struct file *bunshin_tree_pty(struct bunshin_tree *t, pid_t pid,
+				     unsigned int fd, struct file *old)
+{
+	struct tty_struct *tty = bunshin_pty_of(old);
+	bool master = tty->driver->subtype == PTY_TYPE_MASTER;
+	struct bunshin_tree_pty *tp;
+	struct bunshin_tree_map *m;
+
+	if (tty_hung_up_p(old)) {
+		pr_info("tree fork: source pid %d: fd %u is a pty (%s) that was hung up: the fork is refused\n",
+			pid, fd, tty->name);
+		return ERR_PTR(-EINVAL);
+	}
+	tp = bunshin_tree_new_pty(t, pid, fd, master ? tty : tty->link);
+	if (IS_ERR(tp))
+		return ERR_CAST(tp);
+	if (!master)
+		return bunshin_tree_pty_slave(t, pid, fd, old, tp);
+	m = bunshin_tree_lookup(t, old);
+	if (!m) {
+		pr_info("tree fork: source pid %d: fd %u is a second open file of a pty master: the fork is refused\n",
+			pid, fd);
+		return ERR_PTR(-EINVAL);
+	}
+	m->seen = true;
+	return get_file(m->dst);
+}
+
+/* Whether an open file of tty is not one the tree holds. */
+static bool bunshin_tty_outside(struct bunshin_tree *t, struct tty_struct *tty)
+{
+	struct tty_file_private *priv;
+	struct bunshin_tree_map *m;
+	bool outside = false;
+
+	spin_lock(&tty->files_lock);
+	list_for_each_entry(priv, &tty->tty_files, list) {
+		m = bunshin_tree_lookup(t, priv->file);
+		if (!m || !m->seen) {
+			outside = true;
+			break;
+		}
+	}
+	spin_unlock(&tty->files_lock);
+	return outside;
+}
+
+/*
+ * Every open file of the pair is the tree's (a /dev/tty open of the slave
+ * too); then what the source pair has set that the opens could not (the
+ * master's lock, TIOCEXCL, a closed slave) and its session and foreground
+ * group, for the clones' controlling tty.
+ */
+static int bunshin_tree_pty_check(struct bunshin_tree *t,
+				  struct bunshin_tree_pty *tp)
+{
+	struct tty_struct *slave = tp->src->link;
+	struct tty_struct *mtty = bunshin_pty_of(tp->master);
+	unsigned long flags;
+	bool unused;
+
+	if (bunshin_tty_outside(t, slave) || bunshin_tty_outside(t, tp->src)) {
+		pr_info("tree fork: source pid %d: fd %u is a pty (%s) that a process outside the tree holds open: the fork is refused\n",
+			tp->pid, tp->fd, slave->name);
+		return -EINVAL;
+	}
+	if (test_bit(TTY_PTY_LOCK, &tp->src->flags))
+		set_bit(TTY_PTY_LOCK, &mtty->flags);
+	if (test_bit(TTY_EXCLUSIVE, &slave->flags))
+		set_bit(TTY_EXCLUSIVE, &mtty->link->flags);
+	/* A master whose slave was closed reads EIO until it is opened. */
+	spin_lock(&mtty->link->files_lock);
+	unused = list_empty(&mtty->link->tty_files);
+	spin_unlock(&mtty->link->files_lock);
+	if (unused && test_bit(TTY_OTHER_CLOSED, &tp->src->flags))
+		set_bit(TTY_OTHER_CLOSED, &mtty->flags);
+	spin_lock_irqsave(&slave->ctrl.lock, flags);
+	tp->sid = get_pid(slave->ctrl.session);
+	tp->pgrp = get_pid(slave->ctrl.pgrp);
+	spin_unlock_irqrestore(&slave->ctrl.lock, flags);
+	return 0;
+}
+
 /* What replaces the source file old at fd: a reference or an ERR_PTR. */
 static struct file *bunshin_tree_file(struct bunshin_tree *t, pid_t pid,
 				      unsigned int fd, struct file *old,
@@ -742,6 +1018,8 @@ static struct file *bunshin_tree_file(struct bunshin_tree *t, pid_t pid,
 		return bunshin_tree_fifo(t, pid, fd, old, src_root);
 	if (S_ISSOCK(inode->i_mode))
 		return bunshin_tree_unix(t, pid, fd, old);
+	if (bunshin_ksyms.ptm_open_peer && bunshin_pty_of(old))
+		return bunshin_tree_pty(t, pid, fd, old);
 	if (bunshin_is_tty(inode)) {
 		snprintf(kbuf, sizeof(kbuf), "tty (character device %u:%u)",
 			 MAJOR(inode->i_rdev), MINOR(inode->i_rdev));
@@ -787,6 +1065,7 @@ static int bunshin_tree_table(struct bunshin_tree *t,
 		path_put(&src_root);
 		return PTR_ERR(files);
 	}
+	t->table = files;
 	for (; (old = bunshin_next_file(files, &fd, &cloexec)); fd++) {
 		sub = bunshin_tree_find_subst(t, pr - t->procs, fd);
 		if (sub) {
@@ -802,6 +1081,7 @@ static int bunshin_tree_table(struct bunshin_tree *t,
 		}
 		bunshin_tree_set_fd(files, fd, file);
 	}
+	t->table = NULL;
 	path_put(&src_root);
 	if (err) {
 		bunshin_ksyms.put_files_struct(files);
@@ -811,13 +1091,14 @@ static int bunshin_tree_table(struct bunshin_tree *t,
 	return 0;
 }
 
-/* Every pipe and socket pair has all its ends in the tree. */
+/* Every pipe, socket pair and pty pair has all its ends in the tree. */
 static int bunshin_tree_check(struct bunshin_tree *t)
 {
+	struct bunshin_tree_pty *tpty;
 	struct bunshin_tree_pipe *tp;
 	struct bunshin_tree_map *m;
 	unsigned int r, w, i;
-	int bkt;
+	int bkt, err;
 
 	list_for_each_entry(tp, &t->pipes, node) {
 		pipe_lock(tp->src);
@@ -840,10 +1121,16 @@ static int bunshin_tree_check(struct bunshin_tree *t)
 	}
 	hash_for_each(t->files, bkt, m, node) {
 		if (!m->seen) {
-			pr_info("tree fork: source pid %d: fd %u is a unix socket whose peer is not in the tree: the fork is refused\n",
-				m->pid, m->fd);
+			pr_info("tree fork: source pid %d: fd %u is %s is not in the tree: the fork is refused\n",
+				m->pid, m->fd,
+				m->unseen ?: "a unix socket whose peer");
 			return -EINVAL;
 		}
+	}
+	list_for_each_entry(tpty, &t->ptys, node) {
+		err = bunshin_tree_pty_check(t, tpty);
+		if (err)
+			return err;
 	}
 	return 0;
 }
@@ -1040,12 +1327,16 @@ swap_back:
 	path_get(&pwd);
 	bunshin_set_child_fs(p, &root, &pwd);
 	bunshin_child_resume_here(p);
-	/* ttys are not carried over: no controlling tty. */
+	/*
+	 * No controlling tty until adoption, which gives the clone the new
+	 * pair's slave if it replaces the source's (the reference it had,
+	 * the source's, is kept for that).
+	 */
 	spin_lock_irq(&p->sighand->siglock);
 	tty = p->signal->tty;
 	p->signal->tty = NULL;
 	spin_unlock_irq(&p->sighand->siglock);
-	tty_kref_put(tty);
+	pr->tty = tty;
 	pr->clone = get_task_struct(p);
 	pr->ns = ktime_get_ns() - start;
 	/* Another request made the init meanwhile: this clone is killed. */
@@ -1209,6 +1500,62 @@ static void bunshin_tree_peercred(struct bunshin_tree *t)
 	}
 }
 
+/* The clone of the source whose pid is pid (a source's), or NULL. */
+static struct task_struct *bunshin_tree_clone_of(struct bunshin_tree *t,
+						 struct pid *pid)
+{
+	unsigned int i;
+
+	for (i = 0; pid && i < t->made; i++)
+		if (task_pid(t->procs[i].source) == pid)
+			return t->procs[i].clone;
+	return NULL;
+}
+
+/*
+ * Controlling ttys: a new pair's slave is the controlling tty of the clones'
+ * session if the source slave was the sources' (its session leader in the
+ * tree), with the clone of its foreground group as foreground group (the
+ * session's if that is not in the tree), and of every clone in the session
+ * whose source had it: what TIOCSCTTY and fork() make. The new tty has
+ * never been used by a task (no task runs with it before the clones are
+ * woken). tasklist_lock held, after bunshin_tree_sessions().
+ */
+static void bunshin_tree_ctty(struct bunshin_tree *t)
+{
+	struct task_struct *leader, *fg, *p;
+	struct tty_struct *tty, *old;
+	struct bunshin_tree_pty *tp;
+	struct pid *sid;
+	unsigned int i;
+
+	list_for_each_entry(tp, &t->ptys, node) {
+		leader = bunshin_tree_clone_of(t, tp->sid);
+		if (!leader)
+			continue;
+		sid = task_pid(leader);
+		fg = bunshin_tree_clone_of(t, tp->pgrp);
+		tty = bunshin_pty_of(tp->master)->link;
+		spin_lock(&tty->ctrl.lock);
+		put_pid(tty->ctrl.session);
+		put_pid(tty->ctrl.pgrp);
+		tty->ctrl.session = get_pid(sid);
+		tty->ctrl.pgrp = get_pid(fg ? task_pgrp(fg) : sid);
+		spin_unlock(&tty->ctrl.lock);
+		for (i = 0; i < t->made; i++) {
+			p = t->procs[i].clone;
+			if (t->procs[i].tty != tp->src->link ||
+			    task_session(p) != sid)
+				continue;
+			spin_lock(&p->sighand->siglock);
+			old = p->signal->tty;
+			p->signal->tty = tty_kref_get(tty);
+			spin_unlock(&p->sighand->siglock);
+			tty_kref_put(old);
+		}
+	}
+}
+
 /*
  * Move every clone under its parent (the clone of its source's parent) and,
  * if all went well, into its session and group; then wake them all, killed
@@ -1248,8 +1595,10 @@ static int bunshin_tree_finish(struct bunshin_tree *t, int err)
 			parent->signal->has_child_subreaper ||
 			parent->signal->is_child_subreaper;
 	}
-	if (!err)
+	if (!err) {
 		bunshin_tree_sessions(t);
+		bunshin_tree_ctty(t);
+	}
 	write_unlock_irq(k->tasklist_lock);
 	if (!err)
 		bunshin_tree_peercred(t);
@@ -1267,6 +1616,7 @@ static int bunshin_tree_finish(struct bunshin_tree *t, int err)
 
 static void bunshin_tree_free(struct bunshin_tree *t)
 {
+	struct bunshin_tree_pty *tpty, *tpty_tmp;
 	struct bunshin_tree_sock *ts, *ts_tmp;
 	struct bunshin_tree_pipe *tp, *tmp;
 	struct bunshin_tree_map *m;
@@ -1283,6 +1633,7 @@ static void bunshin_tree_free(struct bunshin_tree *t)
 			bunshin_ksyms.put_files_struct(pr->files);
 		if (pr->cred)
 			put_cred(pr->cred);
+		tty_kref_put(pr->tty);
 		if (pr->source)
 			put_task_struct(pr->source);
 	}
@@ -1293,6 +1644,14 @@ static void bunshin_tree_free(struct bunshin_tree *t)
 	}
 	list_for_each_entry_safe(ts, ts_tmp, &t->socks, node)
 		kfree(ts);
+	list_for_each_entry_safe(tpty, tpty_tmp, &t->ptys, node) {
+		if (tpty->master)
+			fput(tpty->master);
+		tty_kref_put(tpty->src);
+		put_pid(tpty->sid);
+		put_pid(tpty->pgrp);
+		kfree(tpty);
+	}
 	list_for_each_entry_safe(tp, tmp, &t->pipes, node) {
 		if (tp->end[0])
 			fput(tp->end[0]);
@@ -1557,6 +1916,7 @@ long bunshin_ioctl_fork_tree(void __user *uarg)
 	hash_init(t->files);
 	INIT_LIST_HEAD(&t->pipes);
 	INIT_LIST_HEAD(&t->socks);
+	INIT_LIST_HEAD(&t->ptys);
 	t->count = req.count;
 	t->procs = kcalloc(req.count, sizeof(*t->procs), GFP_KERNEL);
 	t->buf = kmalloc(PATH_MAX, GFP_KERNEL);

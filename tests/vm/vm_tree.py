@@ -20,11 +20,14 @@ import importlib.machinery
 import importlib.util
 import mmap
 import os
+import pty
 import random
 import re
+import select
 import signal
 import socket
 import struct
+import termios
 import threading
 import time
 import zlib
@@ -294,10 +297,11 @@ def read_mem(pid: int, addr: int, length: int) -> bytes:
         return f.read(length)
 
 
-def spawn_holder(procs: Procs, work: str, *, fifo: bool = False) -> int:
+def spawn_holder(procs: Procs, work: str, *, fifo: bool = False, devpts: bool = False) -> int:
     """A target with no child yet: a process that unshared new pid, mount, UTS, IPC and network
     namespaces, mounted its own tmpfs on *work* (a data file of "B" records, an empty log) and
-    reaps its children. Its pid namespace for children is new and empty."""
+    reaps its children. Its pid namespace for children is new and empty. With *devpts*, it has
+    its own devpts instance on /dev/pts and /dev/ptmx is that instance's ptmx, as a workspace's."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -312,6 +316,9 @@ def spawn_holder(procs: Procs, work: str, *, fifo: bool = False) -> int:
             Path(work, "log").write_bytes(b"")
             if fifo:
                 os.mkfifo(f"{work}/fifo")
+            if devpts:
+                assert _libc.mount(b"devpts", b"/dev/pts", b"devpts", 0, b"newinstance,ptmxmode=0666") == 0
+                assert _libc.mount(b"/dev/pts/ptmx", b"/dev/ptmx", None, 0x1000, None) == 0  # MS_BIND
             os.write(w, b"ok")
             os.close(w)
             while True:
@@ -494,7 +501,12 @@ def test_tree_fork_into_a_new_pid_namespace(dev: int, procs: Procs, workspace: W
         (troot / "go").write_bytes(b"")
         tlog = troot / "log"
 
-        lines = wait_for(lambda: traffic(tlog), timeout=60, what="the clones' pipe and socket traffic")
+        def settled() -> list[list[str]] | None:
+            # The traffic, and a second line of every role (the first one may already hold it).
+            got = traffic(tlog)
+            return got if got and all(sum(f[0] == r for f in got) >= 2 for r in ROLES) else None
+
+        lines = wait_for(settled, timeout=60, what="the clones' pipe and socket traffic")
         ns_of = {f[0]: f for f in lines}
         for r in ROLES:
             mine = [f for f in lines if f[0] == r]
@@ -700,9 +712,11 @@ def test_concurrent_tree_forks_of_one_source(dev: int, procs: Procs, workspace: 
         remove_cgroup(tcg2)
 
 
+@pytest.mark.parametrize("workspace", [{"pty_in": "A"}], indirect=True)
 def test_500_tree_forks_then_unload(procs: Procs, workspace: Workspace, target_cgroup,
                                     loaded_module: str) -> None:  # noqa: F811 (the fixture)
-    """500 tree forks and kills in a row: no task, file or module reference left, no warning."""
+    """500 tree forks and kills in a row (A holding a pty pair too): no task, file, pty or module
+    reference left, no warning."""
     ws = workspace
     tcg, tcg_fd = target_cgroup
     target = procs.spawn(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET,
@@ -710,6 +724,7 @@ def test_500_tree_forks_then_unload(procs: Procs, workspace: Workspace, target_c
     wait_for(lambda: Path(f"/proc/{target}/root{ws.work}/ready").exists(), what="the target's files")
     freeze(ws.cg)
     files_before = int(Path("/proc/sys/fs/file-nr").read_text().split()[0])
+    ptys_before = int(Path("/proc/sys/kernel/pty/nr").read_text())
     fd = os.open(DEVICE, os.O_RDWR | os.O_CLOEXEC)
     pidfd = os.pidfd_open(target)
     times = []
@@ -723,12 +738,14 @@ def test_500_tree_forks_then_unload(procs: Procs, workspace: Workspace, target_c
         os.close(pidfd)
         os.close(fd)
     times.sort()
-    print(f"500 tree forks of a 4-process workspace (1 MiB each, a pipe, a socket pair, 2 files): median "
+    print(f"500 tree forks of a 4-process workspace (1 MiB each, a pipe, a socket pair, a pty pair, 2 files): median "
           f"{times[250] * 1e3:.2f} ms, min {times[0] * 1e3:.2f} ms, max {times[-1] * 1e3:.2f} ms")
     wait_for(lambda: not (tcg / "cgroup.procs").read_text().split(), what="the clones to die")
     wait_for(lambda: tasks_in_pid_ns(target) == [target], what="the clones to be reaped")
     files_after = int(Path("/proc/sys/fs/file-nr").read_text().split()[0])
-    assert files_after < files_before + 200, (files_before, files_after)  # 500 x 8 files made
+    assert files_after < files_before + 200, (files_before, files_after)  # 500 x 10 files made
+    wait_for(lambda: int(Path("/proc/sys/kernel/pty/nr").read_text()) <= ptys_before,
+             what="the clones' ptys to be released")  # 500 made
     unload_module()
     assert not module_loaded()
     bad = [ln for ln in kernel_log().splitlines() if _BAD_KERNEL_LOG.search(ln)]
@@ -833,6 +850,158 @@ def test_tree_fork_reopens_fifos_in_the_target(dev: int, procs: Procs, tmp_path:
         remove_cgroup(cg)
 
 
+PTY_ROWS, PTY_COLS = 33, 101
+
+
+def pty_main(work: str) -> None:
+    """E (the root) holds a pty master and never uses it; its child T (pty.fork(): a session
+    leader whose controlling tty, stdin, stdout and stderr are the slave) turns echo off, sets a
+    33x101 window, creates *work*/ready and answers every line it reads with "reply LINE TTY
+    CTTY FG LEADER ROWSxCOLS" (its slave's path, whether /dev/tty opens, whether its group is the
+    tty's foreground group, whether it leads its session, the window size)."""
+    os.setsid()
+    os.closerange(3, 65536)
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    while not os.path.exists(f"{work}/start"):
+        time.sleep(0.01)
+    pid, _master = pty.fork()
+    if pid == 0:
+        attrs = termios.tcgetattr(0)
+        attrs[3] &= ~termios.ECHO
+        termios.tcsetattr(0, termios.TCSANOW, attrs)
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", PTY_ROWS, PTY_COLS, 0, 0))
+        Path(work, "ready").write_bytes(b"")
+        while True:
+            line = os.read(0, 4096).decode().strip()
+            try:
+                os.close(os.open("/dev/tty", os.O_RDWR))
+                ctty = "ctty"
+            except OSError:
+                ctty = "noctty"
+            fg = "fg" if os.tcgetpgrp(0) == os.getpgrp() else "bg"
+            rows, cols = struct.unpack("HHHH", fcntl.ioctl(0, termios.TIOCGWINSZ, bytes(8)))[:2]
+            os.write(1, f"reply {line} {os.ttyname(0)} {ctty} {fg} {os.getsid(0) == os.getpid()} "
+                        f"{rows}x{cols}\n".encode())
+    while True:
+        time.sleep(1)
+
+
+def read_reply(fd: int, timeout: float = 30.0) -> str:
+    """One line read from the pty master *fd* (a copy of someone's, through pidfd_getfd)."""
+    got = b""
+    deadline = time.monotonic() + timeout
+    while not got.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        assert left > 0, f"no reply on the pty master (got {got!r})"
+        if select.select([fd], [], [], left)[0]:
+            got += os.read(fd, 4096)
+    return got.decode().replace("\r", "").strip()
+
+
+def tty_nr(path: str) -> int:
+    """The tty_nr /proc/PID/stat shows for the tty at *path*."""
+    rdev = os.stat(path).st_rdev
+    major, minor = os.major(rdev), os.minor(rdev)
+    return (minor & 0xFF) | (major << 8) | ((minor & ~0xFF) << 12)
+
+
+def fd_flags(pid: int, fd: str) -> str:
+    return next(ln.split()[1] for ln in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines()
+                if ln.startswith("flags:"))
+
+
+def test_tree_fork_recreates_a_pty_pair(dev: int, procs: Procs, tmp_path: Path, target_cgroup) -> None:
+    """A pty pair inside the tree (E holds the master, its child T runs on the slave, pty.fork()):
+    the clones get a new pair from the target's own devpts instance, the same fd numbers and
+    flags, the slave's termios (echo off) and window size, T's clone has the new slave as its
+    controlling tty with its group in the foreground; a line written to the clone's master is
+    answered by T's clone; the source's pair goes on working on its own."""
+    tcg, tcg_fd = target_cgroup
+    work = tmp_path / "work"
+    work.mkdir()
+    cg = make_cgroup(f"bunshin-tree-pty-{os.getpid()}-{time.monotonic_ns()}")
+    own: list[int] = []
+    try:
+        root = procs.spawn(CLONE_NEWPID | CLONE_NEWNS, lambda: pty_main(str(work)))
+        (cg / "cgroup.procs").write_text(str(root))
+        (work / "start").write_bytes(b"")
+        wait_for(lambda: (work / "ready").exists(), timeout=60, what="the pty child")
+        pids = tree_of(root)
+        assert len(pids) == 2
+        e, t = pids
+        holder = spawn_holder(procs, str(work), devpts=True)
+        freeze(cg)
+        before = {p: fd_table(p) for p in pids}
+        mfd = next(fd for fd, what in before[e].items() if what.endswith("ptmx"))
+        src_slave = before[t]["0"]
+        assert src_slave.startswith("/dev/pts/") and before[t]["1"] == before[t]["2"] == src_slave, before[t]
+        src_stat = stat_fields(t)
+        assert int(src_stat[4]) == tty_nr(f"/proc/{t}/fd/0") and int(src_stat[5]) == t  # tty_nr, tpgid
+        pidfd = os.pidfd_open(holder)
+        try:
+            clones = c.bunshin_fork_tree(dev, pids, pidfd, tcg_fd)
+        finally:
+            os.close(pidfd)
+        try:
+            ce, ct = clones
+            # The new pair lives in the holder's devpts instance, not in the source's.
+            holder_pts = os.stat(f"/proc/{holder}/root/dev/pts/ptmx").st_dev
+            assert holder_pts != os.stat(src_slave).st_dev
+            assert fd_table(ce).keys() == before[e].keys() and fd_table(ct).keys() == before[t].keys()
+            slave = os.readlink(f"/proc/{ct}/fd/0")
+            assert slave.startswith("/dev/pts/"), fd_table(ct)
+            for fd in ("0", "1", "2"):
+                st = os.stat(f"/proc/{ct}/fd/{fd}")
+                assert st.st_dev == holder_pts and st.st_rdev == os.stat(f"/proc/{ct}/fd/0").st_rdev
+                assert fd_flags(ct, fd) == fd_flags(t, fd)
+            assert os.stat(f"/proc/{ce}/fd/{mfd}").st_dev == holder_pts
+            assert fd_flags(ce, mfd) == fd_flags(e, mfd)
+            # T's clone: the new slave is its controlling tty, its group the foreground one; E's
+            # clone has none, as E.
+            st = stat_fields(ct)
+            assert int(st[3]) == ct and int(st[4]) == tty_nr(f"/proc/{ct}/fd/0") and int(st[5]) == ct, st
+            assert int(stat_fields(ce)[4]) == int(stat_fields(e)[4]) == 0
+            # The slave's termios and window size, read through the clone's own slave.
+            cpidfd = os.pidfd_open(ct)
+            own.append(cpidfd)
+            cslave = c.pidfd_getfd(cpidfd, 0)
+            own.append(cslave)
+            assert not termios.tcgetattr(cslave)[3] & termios.ECHO
+            assert termios.tcgetattr(cslave)[3] & termios.ICANON
+            assert struct.unpack("HHHH", fcntl.ioctl(cslave, termios.TIOCGWINSZ, bytes(8)))[:2] == (PTY_ROWS, PTY_COLS)
+
+            freeze(tcg, False)
+            epidfd = os.pidfd_open(ce)
+            own.append(epidfd)
+            cmaster = c.pidfd_getfd(epidfd, int(mfd))
+            own.append(cmaster)
+            os.write(cmaster, b"clone-ping\n")
+            # Echo off: the reply is the first thing on the master, not the line written.
+            assert read_reply(cmaster) == f"reply clone-ping {slave} ctty fg True {PTY_ROWS}x{PTY_COLS}"
+
+            # The source's pair: nothing of the clone's traffic, and it answers on its own.
+            freeze(cg, False)
+            spidfd = os.pidfd_open(e)
+            own.append(spidfd)
+            smaster = c.pidfd_getfd(spidfd, int(mfd))
+            own.append(smaster)
+            assert not select.select([smaster], [], [], 0.5)[0]
+            os.write(smaster, b"source-ping\n")
+            assert read_reply(smaster) == f"reply source-ping {src_slave} ctty fg True {PTY_ROWS}x{PTY_COLS}"
+            os.write(cmaster, b"clone-again\n")
+            assert read_reply(cmaster) == f"reply clone-again {slave} ctty fg True {PTY_ROWS}x{PTY_COLS}"
+            assert not select.select([smaster], [], [], 0.3)[0]
+        finally:
+            kill_all(clones)
+            for fd in own:
+                os.close(fd)
+    finally:
+        remove_cgroup(cg)
+
+
 # --- bad requests ------------------------------------------------------------------------------
 
 
@@ -889,18 +1058,91 @@ def test_unsupported_fd_in_the_tree_is_einval_and_leaves_nothing(dev: int, procs
 
 
 @pytest.mark.parametrize("workspace", [{"pty_in": "A"}], indirect=True)
-def test_pty_in_the_tree_is_einval(dev: int, procs: Procs, workspace: Workspace, target_cgroup) -> None:
-    """A pty pair held by A (both ends in the tree): ttys are not carried over, refused cleanly."""
+def test_pty_with_its_slave_held_outside_the_tree_is_einval(dev: int, procs: Procs, workspace: Workspace,
+                                                            target_cgroup) -> None:
+    """A holds both ends of a pty pair; the test opens the slave too (a process outside the tree):
+    EINVAL, the log names A, the fd and the pty, nothing is made. Once the outside file is closed,
+    the same request forks the tree, A's clone holding a new pair (the same fd numbers)."""
     ws = workspace
     tcg, tcg_fd = target_cgroup
     holder = spawn_holder(procs, str(ws.work))
     freeze(ws.cg)
     before = {p: fd_table(p) for p in ws.pids}
     a = next(p for p in ws.pids if ws.role[p] == "A")
-    assert refused(dev, ws, holder, tcg_fd) == errno.EINVAL
-    assert re.search(rf"tree fork: source pid {a}: fd \d+ is a tty \(character device (5|13[6-9]|14[0-3]):\d+\)",
-                     kernel_log())
+    sfd = next(fd for fd, what in before[a].items() if re.fullmatch(r"/dev/pts/\d+", what))
+    mfd = next(fd for fd, what in before[a].items() if what.endswith("ptmx"))
+    outside = os.open(f"/proc/{a}/fd/{sfd}", os.O_RDWR | os.O_NOCTTY)
+    try:
+        assert refused(dev, ws, holder, tcg_fd) == errno.EINVAL
+    finally:
+        os.close(outside)
+    name = "pts" + before[a][sfd].rsplit("/", 1)[1]
+    assert re.search(rf"tree fork: source pid {a}: fd ({sfd}|{mfd}) is a pty \({name}\) that a process outside "
+                     r"the tree holds open: the fork is refused", kernel_log())
     assert_nothing_made(ws, tcg, holder, before)
+    freeze(ws.cg)
+    pidfd = os.pidfd_open(holder)
+    try:
+        clones = c.bunshin_fork_tree(dev, ws.pids, pidfd, tcg_fd)
+    finally:
+        os.close(pidfd)
+    try:
+        ca = clones[ws.pids.index(a)]
+        table = fd_table(ca)
+        assert table.keys() == before[a].keys()
+        assert re.fullmatch(r"/dev/pts/\d+", table[sfd]) and table[sfd] != before[a][sfd], table
+        assert os.stat(f"/proc/{ca}/fd/{mfd}").st_rdev == os.stat("/dev/ptmx").st_rdev
+    finally:
+        kill_all(clones)
+
+
+def tty_source_main(path: str) -> None:
+    """A single process holding the tty at *path* open as fd 3 (not as its controlling tty)."""
+    os.closerange(3, 65536)
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    assert os.open(path, os.O_RDWR | os.O_NOCTTY) == 3
+    while True:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("kind", ["pty slave", "console"])
+def test_tty_outside_the_workspace_is_einval(dev: int, procs: Procs, tmp_path: Path, target_cgroup,
+                                             kind: str) -> None:
+    """A process holding a pty slave whose master the test holds (outside the tree), or the
+    console: EINVAL, the log names the pid, fd 3 and its kind; no clone, the holder's pid
+    namespace still empty, the source's table unchanged."""
+    tcg, tcg_fd = target_cgroup
+    master, slave = os.openpty()
+    path = os.ttyname(slave) if kind == "pty slave" else "/dev/console"
+    cg = make_cgroup(f"bunshin-tree-tty-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        pid = procs.spawn(CLONE_NEWPID | CLONE_NEWNS, lambda: tty_source_main(path))
+        (cg / "cgroup.procs").write_text(str(pid))
+        wait_for(lambda: "3" in fd_table(pid), what="the tty open in the source")
+        holder = spawn_holder(procs, str(tmp_path))
+        freeze(cg)
+        before = fd_table(pid)
+        pidfd = os.pidfd_open(holder)
+        try:
+            assert errno_of(lambda: c.bunshin_fork_tree(dev, [pid], pidfd, tcg_fd)) == errno.EINVAL
+        finally:
+            os.close(pidfd)
+        if kind == "pty slave":
+            want = rf"source pid {pid}: fd 3 is a pty slave whose master is not in the tree: the fork is refused"
+        else:
+            want = rf"source pid {pid}: fd 3 is a tty \(character device 5:1\): this kind is not carried over"
+        assert re.search(want, kernel_log())
+        assert (tcg / "cgroup.procs").read_text().split() == []
+        with pytest.raises(FileNotFoundError):
+            os.readlink(f"/proc/{holder}/ns/pid_for_children")
+        assert fd_table(pid) == before
+    finally:
+        os.close(master)
+        os.close(slave)
+        remove_cgroup(cg)
 
 
 @pytest.mark.parametrize("workspace", [{"fd_in_flight": True}], indirect=True)
