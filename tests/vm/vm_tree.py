@@ -116,6 +116,19 @@ def _mem(mib_: int) -> tuple[bytearray, int]:
     return buf, ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
 
 
+def _detach_and_wait(work: str) -> None:
+    """In a workspace's root process: a session of its own, no fds but /dev/null on stdio,
+    then wait for *work*/start."""
+    os.setsid()
+    os.closerange(3, 65536)
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    while not os.path.exists(f"{work}/start"):
+        time.sleep(0.01)
+
+
 def workspace_main(work: str, *, root_mib: int = 1, thread_in: str = "", eventfd_in: str = "",
                    pty_in: str = "", outside_pipe: bool = False, fd_in_flight: bool = False,
                    b_uid: int = 0) -> None:
@@ -128,14 +141,7 @@ def workspace_main(work: str, *, root_mib: int = 1, thread_in: str = "", eventfd
 
     Every process appends "role pid ppid sid pgid pidns counter crc payload" to *work*/log every
     30 ms (ids as seen in its pid namespace, crc of its memory)."""
-    os.setsid()
-    os.closerange(3, 65536)
-    null = os.open("/dev/null", os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.close(null)
-    while not os.path.exists(f"{work}/start"):
-        time.sleep(0.01)
+    _detach_and_wait(work)
     data = os.open(f"{work}/data", os.O_RDONLY)
     log = os.open(f"{work}/log", os.O_WRONLY | os.O_APPEND)
     r, w = os.pipe()
@@ -759,14 +765,7 @@ def test_500_tree_forks_then_unload(procs: Procs, workspace: Workspace, target_c
 def fifo_main(work: str) -> None:
     """R (the root) reads *work*/fifo, W (its child) writes it: "FIFOBUF;" before the fork, then
     "F<i>;" every 30 ms once *work*/go exists. Both log "role pid counter payload"."""
-    os.setsid()
-    os.closerange(3, 65536)
-    null = os.open("/dev/null", os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.close(null)
-    while not os.path.exists(f"{work}/start"):
-        time.sleep(0.01)
+    _detach_and_wait(work)
     log = os.open(f"{work}/log", os.O_WRONLY | os.O_APPEND)
     r = os.open(f"{work}/fifo", os.O_RDONLY | os.O_NONBLOCK)
     role, i = "R", 0
@@ -859,14 +858,7 @@ def pty_main(work: str) -> None:
     33x101 window, creates *work*/ready and answers every line it reads with "reply LINE TTY
     CTTY FG LEADER ROWSxCOLS" (its slave's path, whether /dev/tty opens, whether its group is the
     tty's foreground group, whether it leads its session, the window size)."""
-    os.setsid()
-    os.closerange(3, 65536)
-    null = os.open("/dev/null", os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.close(null)
-    while not os.path.exists(f"{work}/start"):
-        time.sleep(0.01)
+    _detach_and_wait(work)
     pid, _master = pty.fork()
     if pid == 0:
         attrs = termios.tcgetattr(0)
