@@ -620,31 +620,42 @@ def _setup_veth(ct: Container) -> None:
 # --- the child: set the workspace up, then become its agent ------------------------------------
 
 
+def _null_stdio() -> None:
+    null = os.open("/dev/null", os.O_RDWR)
+    for i in range(3):
+        os.dup2(null, i)
+    if null > 2:
+        os.close(null)
+
+
+def _boot_first_process(sock: socket.socket) -> Boot:
+    """The start of a workspace's first process (cloned by the zygote): every fd but its
+    socket closed, the Boot received and the workspace set up with it. Exits at once if the
+    controller closes the socket instead."""
+    signal.set_wakeup_fd(-1)
+    # Objects inherited from the zygote (its channel) must never be finalised here: their fd
+    # numbers are closed below and may be reused.
+    _pygc.freeze()
+    fd = sock.fileno()
+    _null_stdio()
+    os.closerange(3, fd)  # the socket's fd is never below 3: stdio was open
+    os.closerange(fd + 1, 1 << 30)
+    sock.settimeout(None)
+    boot = recv(sock, "boot")
+    if boot is None:
+        os._exit(0)
+    _setup(boot)
+    return boot
+
+
 def _child_main(sock: socket.socket) -> NoReturn:
     """Run in the cloned child: never returns (ends with ``os._exit``)."""
     code = 1
     try:
-        signal.set_wakeup_fd(-1)
-        # Objects inherited from the controller (its sockets, files, event loop) must never be
-        # finalised here: their fd numbers are closed below and may be reused.
-        _pygc.freeze()
-        fd = sock.fileno()
-        null = os.open("/dev/null", os.O_RDWR)
-        for i in range(3):
-            os.dup2(null, i)
-        os.closerange(3, fd)  # the socket's fd is never below 3: stdio was open
-        os.closerange(fd + 1, 1 << 30)
-        sock.settimeout(None)
-        boot = recv(sock, "boot")
-        if boot is None:
-            os._exit(0)
-        _setup(boot)
+        boot = _boot_first_process(sock)
         # stdio again, now from the workspace's own /dev (a tree fork reopens every file at
-        # its path in the clone's root: the controller's /dev/null is outside this one)
-        null = os.open("/dev/null", os.O_RDWR)
-        for i in range(3):
-            os.dup2(null, i)
-        os.close(null)
+        # its path in the clone's root: the host's /dev/null is outside this one)
+        _null_stdio()
         serve(sock, boot)
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, then _exit
@@ -903,19 +914,7 @@ def _holder_main(sock: socket.socket) -> NoReturn:
 
     code = 1
     try:
-        signal.set_wakeup_fd(-1)
-        _pygc.freeze()
-        fd = sock.fileno()
-        null = os.open("/dev/null", os.O_RDWR)
-        for i in range(3):
-            os.dup2(null, i)
-        os.closerange(3, fd)
-        os.closerange(fd + 1, 1 << 30)
-        sock.settimeout(None)
-        boot = recv(sock, "boot")
-        if boot is None:
-            os._exit(0)
-        _setup(boot)
+        _boot_first_process(sock)
         c.unshare(c.CLONE_NEWPID)
         send(sock, Ready(os.getpid()))
         sock.recv(1)  # the controller's go (the tree is forked) or its close (it is not)
