@@ -554,6 +554,17 @@ def test_tree_fork_into_a_new_pid_namespace(dev: int, procs: Procs, workspace: W
         kill_all(clones)
 
 
+def frozen_tree_fork(dev: int, ws: Workspace, target: int, cgroup_fd: int) -> list[int]:
+    """Freeze *ws* and tree-fork its processes into *target* (a pid), born in the cgroup
+    *cgroup_fd*: the clones' host pids, in the order of ``ws.pids``."""
+    freeze(ws.cg)
+    pidfd = os.pidfd_open(target)
+    try:
+        return c.bunshin_fork_tree(dev, ws.pids, pidfd, cgroup_fd)
+    finally:
+        os.close(pidfd)
+
+
 def test_tree_fork_under_a_running_init(dev: int, procs: Procs, workspace: Workspace, target_cgroup) -> None:
     """A target whose pid namespace has its init: the root clone is that init's child (pid 1 is
     taken: another pid), the others keep their pids and shape."""
@@ -562,12 +573,7 @@ def test_tree_fork_under_a_running_init(dev: int, procs: Procs, workspace: Works
     target = procs.spawn(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET,
                          lambda: clean_target_main(str(ws.work)))
     wait_for(lambda: Path(f"/proc/{target}/root{ws.work}/ready").exists(), what="the target's files")
-    freeze(ws.cg)
-    pidfd = os.pidfd_open(target)
-    try:
-        clones = c.bunshin_fork_tree(dev, ws.pids, pidfd, tcg_fd)
-    finally:
-        os.close(pidfd)
+    clones = frozen_tree_fork(dev, ws, target, tcg_fd)
     try:
         of = dict(zip(ws.pids, clones))
         assert int(status(of[ws.root])["PPid"]) == target
@@ -593,12 +599,7 @@ def test_tree_fork_of_an_unprivileged_process(dev: int, procs: Procs, workspace:
     ws = workspace
     tcg, tcg_fd = target_cgroup
     holder = spawn_holder(procs, str(ws.work))
-    freeze(ws.cg)
-    pidfd = os.pidfd_open(holder)
-    try:
-        clones = c.bunshin_fork_tree(dev, ws.pids, pidfd, tcg_fd)
-    finally:
-        os.close(pidfd)
+    clones = frozen_tree_fork(dev, ws, holder, tcg_fd)
     try:
         for src, cl in zip(ws.pids, clones):
             st_src, st_cl = status(src), status(cl)
@@ -1072,12 +1073,7 @@ def test_pty_with_its_slave_held_outside_the_tree_is_einval(dev: int, procs: Pro
     assert re.search(rf"tree fork: source pid {a}: fd ({sfd}|{mfd}) is a pty \({name}\) that a process outside "
                      r"the tree holds open: the fork is refused", kernel_log())
     assert_nothing_made(ws, tcg, holder, before)
-    freeze(ws.cg)
-    pidfd = os.pidfd_open(holder)
-    try:
-        clones = c.bunshin_fork_tree(dev, ws.pids, pidfd, tcg_fd)
-    finally:
-        os.close(pidfd)
+    clones = frozen_tree_fork(dev, ws, holder, tcg_fd)
     try:
         ca = clones[ws.pids.index(a)]
         table = fd_table(ca)
