@@ -286,14 +286,20 @@ class SpecContext:
 
 
 def predict_checked(
-    selector: Any, task: str, calls: Sequence[ToolCall], k: int, observations: Sequence[Observation]
+    selector: Any, task: str, calls: Sequence[ToolCall], k: int, observations: Sequence[Observation],
+    contexts: Sequence[Sequence[Any]] | None = None,
 ) -> list[Prediction]:
     """*selector*'s up to *k* predictions after *calls*, checked against its contract (a list
-    of at most *k* :class:`~bunshin_async.Prediction`, confidences from 0 to 1)."""
+    of at most *k* :class:`~bunshin_async.Prediction`, confidences from 0 to 1). *contexts*
+    (the conversation before each call and before the one predicted) reach selectors whose
+    ``predict`` takes them, and only when one is not empty."""
     from ._exceptions import PolicyError
-    from ._selector import Prediction
+    from ._selector import Prediction, accepts_contexts
 
-    preds = selector.predict(task, calls, k, observations=observations)
+    if contexts is not None and any(contexts) and accepts_contexts(selector):
+        preds = selector.predict(task, calls, k, observations=observations, contexts=contexts)
+    else:
+        preds = selector.predict(task, calls, k, observations=observations)
     if (
         not isinstance(preds, list)
         or len(preds) > k

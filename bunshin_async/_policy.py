@@ -13,7 +13,7 @@ import anyio
 import msgspec
 
 from ._exceptions import ConfigError, TransparencyError
-from ._trace import Rollout, RolloutKey, Task, ToolCall, Trace
+from ._trace import ContextMessage, Rollout, RolloutKey, Task, ToolCall, Trace
 
 __all__ = ["Policy", "TracePolicy", "Finish", "Observation", "SampleView"]
 
@@ -64,6 +64,13 @@ class Policy(abc.ABC):
         """
         return ()
 
+    def heard(self, sample: SampleView) -> tuple[ContextMessage, ...]:
+        """The conversation that reaches the model before it thinks about *sample*'s next call
+        (the user's messages, its own text since its last call; see
+        :attr:`bunshin_async.Step.context`). The scheduler asks before each :meth:`act` and
+        shows it to the Spec Tool Selector. The default is none."""
+        return ()
+
 
 class TracePolicy(Policy):
     """Replays the recorded calls and think times of a trace.
@@ -93,6 +100,11 @@ class TracePolicy(Policy):
 
     def planned(self) -> Sequence[tuple[RolloutKey, Task]]:
         return [(r.key, self._tasks[r.task]) for r in self._trace.rollouts]
+
+    def heard(self, sample: SampleView) -> tuple[ContextMessage, ...]:
+        rollout = self._rollouts.get(sample.rollout)
+        i = len(sample.calls)
+        return rollout.steps[i].context if rollout is not None and i < len(rollout.steps) else ()
 
     async def act(self, sample: SampleView) -> ToolCall | Finish:
         try:

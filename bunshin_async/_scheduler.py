@@ -38,8 +38,8 @@ from ._plugins import (
     predict_checked,
 )
 from ._policy import Finish, Observation, Policy, SampleView
-from ._selector import Prediction, SpecToolSelector
-from ._trace import RolloutKey, Task, ToolCall, call_key
+from ._selector import Prediction, SpecToolSelector, accepts_contexts
+from ._trace import ContextMessage, RolloutKey, Task, ToolCall, call_key
 from ._tree import Node, PrefixTree, Tier, TreeStatistics, open_prefix_tree
 
 __all__ = [
@@ -362,7 +362,7 @@ class _Sample:
     """What one running sample holds."""
 
     __slots__ = ("key", "task", "root", "node", "on_tree", "ws", "ws_node", "branch", "prep",
-                 "finish", "calls", "obs", "records", "hits", "spec_hits", "executed")
+                 "finish", "calls", "obs", "heard", "records", "hits", "spec_hits", "executed")
 
     def __init__(self, key: RolloutKey, task: Task, root: Node, on_tree: bool) -> None:
         self.key = key
@@ -377,6 +377,7 @@ class _Sample:
         self.finish: Finish | None = None
         self.calls: list[ToolCall] = []
         self.obs: list[Observation] = []
+        self.heard: list[tuple[ContextMessage, ...]] = []  # the conversation before each call
         self.records: list[StepRecord] = []
         self.hits = 0
         self.spec_hits = 0
@@ -678,8 +679,10 @@ class Scheduler:
         async with anyio.create_task_group() as tg:
             while True:
                 self._maybe_prepare(tg, s)
+                view = SampleView(s.key, s.task, tuple(s.calls), tuple(s.obs))
+                s.heard.append(self._policy.heard(view))
                 self._maybe_speculate(tg, s, state)
-                action = await self._policy.act(SampleView(s.key, s.task, tuple(s.calls), tuple(s.obs)))
+                action = await self._policy.act(view)
                 acted = anyio.current_time()
                 if isinstance(action, Finish):
                     if s.branch is not None:
@@ -752,7 +755,10 @@ class Scheduler:
                 s.obs.append(Observation(result.observation_digest, result.observation_size, result.output))
                 self._record(s, call, result, source, acted)
         if self._selector is not None:
-            self._selector.observe(s.task.id, s.calls)
+            if any(s.heard) and accepts_contexts(self._selector, "observe"):
+                self._selector.observe(s.task.id, s.calls, contexts=s.heard[:len(s.calls)])
+            else:
+                self._selector.observe(s.task.id, s.calls)
 
     def _maybe_prepare(self, tg: TaskGroup, s: _Sample) -> None:
         """While the model thinks, rebuild the sample's state if it sits on a cold or evicted
@@ -818,7 +824,7 @@ class Scheduler:
 
         def predict() -> list[Prediction]:
             assert self._selector is not None
-            preds = predict_checked(self._selector, s.task.id, s.calls, k, s.obs)
+            preds = predict_checked(self._selector, s.task.id, s.calls, k, s.obs, s.heard)
             return [
                 p for p in preds
                 if self._cacheability.cacheable(s.task, p.call)

@@ -51,11 +51,11 @@ Conversation = Sequence[ContextMessage]
 """The conversation that reached the policy before one call (:attr:`~bunshin_async.Step.context`)."""
 
 
-def accepts_contexts(selector: Any) -> bool:
-    """Whether *selector*'s ``predict`` takes the ``contexts`` keyword (selectors written
-    before it existed do not, and are called without it)."""
+def accepts_contexts(selector: Any, method: str = "predict") -> bool:
+    """Whether *selector*'s *method* (``predict`` or ``observe``) takes the ``contexts``
+    keyword (selectors written before it existed do not, and are called without it)."""
     try:
-        params = inspect.signature(selector.predict).parameters.values()
+        params = inspect.signature(getattr(selector, method)).parameters.values()
     except (TypeError, ValueError):
         return False
     return any(p.name == "contexts" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

@@ -377,3 +377,52 @@ def test_benefit_rule_uses_the_tools_observed_exec_time() -> None:
 def test_benefit_rule_options_are_checked(over: dict) -> None:
     with pytest.raises(ConfigError):
         SchedulerConfig.preset("spec", **over)
+
+
+class Overhearing(SpecToolSelector):
+    """Records what the scheduler lets it hear (and predicts nothing)."""
+
+    def __init__(self) -> None:
+        self.predicted: list[tuple[str, int, tuple]] = []
+        self.observed: list[tuple[str, int, tuple]] = []
+
+    def observe(self, task: str, calls: Sequence[ToolCall], *, observations=None, contexts=None) -> None:
+        self.observed.append((task, len(calls), tuple(contexts or ())))
+
+    def predict(self, task: str, calls: Sequence[ToolCall], k: int = 1, *, observations=None,
+                contexts=None) -> list[Prediction]:
+        self.predicted.append((task, len(calls), tuple(contexts or ())))
+        return []
+
+
+def test_the_scheduler_lets_the_selector_hear_the_conversation() -> None:
+    """In a replay, the scheduler asks the policy what reached the model before each call
+    (TracePolicy: the recorded Step.context) and passes it to the selector: when predicting
+    call i, the conversation before calls 0..i; when the rollout ends, before each call."""
+    base = small_trace()
+    trace = msgspec.structs.replace(base, rollouts=[
+        msgspec.structs.replace(r, steps=[msgspec.structs.replace(s, context=(user(f"{r.task}{r.sample} s{j}"),))
+                                          for j, s in enumerate(r.steps)])
+        for r in base.rollouts])
+    sel = Overhearing()
+    simulate(trace, policy="spec", spec_tail=1.0, selector=sel)
+    recorded = {(r.task, r.sample): [s.context for s in r.steps] for r in trace.rollouts}
+    assert sel.predicted and sel.observed
+    for task, ncalls, heard in sel.predicted:  # after the last call, nothing more was said
+        assert any(tuple(ctx[: ncalls + 1]) + ((),) * (ncalls + 1 - len(ctx)) == heard
+                   for (t, _), ctx in recorded.items() if t == task), (task, ncalls, heard)
+    want = [(t, len(ctx), tuple(ctx)) for (t, _), ctx in recorded.items()]
+    assert len(sel.observed) == len(want) and all(o in want for o in sel.observed)
+    # selectors written before the conversation existed are called as before
+    calls: list[str] = []
+
+    class Deaf(SpecToolSelector):
+        def observe(self, task: str, calls_: Sequence[ToolCall], *, observations=None) -> None:
+            calls.append("observe")
+
+        def predict(self, task: str, calls_: Sequence[ToolCall], k: int = 1, *, observations=None) -> list[Prediction]:
+            calls.append("predict")
+            return []
+
+    simulate(trace, policy="spec", spec_tail=1.0, selector=Deaf())
+    assert "observe" in calls and "predict" in calls
