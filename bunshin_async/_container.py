@@ -505,19 +505,7 @@ async def _open(spec: WorkspaceSpec, layers: tuple[str, ...], name: str | None, 
             ct.cgroups.attach(pid)
         except OSError as exc:
             raise BackendError(f"workspace {id}: cannot move its first process into its cgroups: {exc}") from None
-        boot = Boot(
-            rootfs=ct.mountpoint,
-            lowerdirs=[os.path.relpath(p, state.data) if p.startswith(state.data + "/") else p for p in (*layers, spec.root_dir)],
-            upper=os.path.relpath(ct.upper, state.data),
-            work=os.path.relpath(ct.work, state.data),
-            chdir=state.data,
-            hostname=spec.hostname,
-            env=spec.environment,
-            cwd=spec.cwd,
-            shell=spec.shell,
-            init=list(spec.init) if spec.init else None,
-            root_overlay=os.path.relpath(ct.lowermount, state.data) if ct.lowermount else None,
-        )
+        boot = _boot_of(ct, init=list(spec.init) if spec.init else None)
         reply = await anyio.to_thread.run_sync(_boot, parent, boot, abandon_on_cancel=True)
         if not isinstance(reply, Ready):
             why = reply.message if isinstance(reply, AgentError) else "its first process died during set-up"
@@ -532,6 +520,26 @@ async def _open(spec: WorkspaceSpec, layers: tuple[str, ...], name: str | None, 
             with contextlib.suppress(BackendError):
                 await ct.destroy()
         raise
+
+
+def _boot_of(ct: Container, **over: Any) -> Boot:
+    """The Boot of *ct*'s first process: its overlay (``ct.layers`` over the spec's root, paths
+    inside the data directory given relative to it), hostname, environment, cwd and shell;
+    *over* sets the rest (``init``, ``proc``, ``root_only``)."""
+    spec, data = ct.spec, ct.state.data
+    return Boot(
+        rootfs=ct.mountpoint,
+        lowerdirs=[os.path.relpath(p, data) if p.startswith(data + "/") else p for p in (*ct.layers, spec.root_dir)],
+        upper=os.path.relpath(ct.upper, data),
+        work=os.path.relpath(ct.work, data),
+        chdir=data,
+        hostname=spec.hostname,
+        env=spec.environment,
+        cwd=spec.cwd,
+        shell=spec.shell,
+        root_overlay=os.path.relpath(ct.lowermount, data) if ct.lowermount else None,
+        **over,
+    )
 
 
 def _boot(sock: socket.socket, boot: Boot) -> Any:
@@ -795,21 +803,7 @@ async def mount_shell(ct: Container, layers: Sequence[str], *, root_only: bool =
         ct.lowermount = os.path.join(ct.dir, "lower")
         os.makedirs(ct.lowermount, exist_ok=True)
     _prepare_upper(ct, state)
-    boot = Boot(
-        rootfs=ct.mountpoint,
-        lowerdirs=[os.path.relpath(p, state.data) if p.startswith(state.data + "/") else p for p in (*ct.layers, spec.root_dir)],
-        upper=os.path.relpath(ct.upper, state.data),
-        work=os.path.relpath(ct.work, state.data),
-        chdir=state.data,
-        hostname=spec.hostname,
-        env=spec.environment,
-        cwd=spec.cwd,
-        shell=spec.shell,
-        init=None,
-        root_overlay=os.path.relpath(ct.lowermount, state.data) if ct.lowermount else None,
-        proc=False,
-        root_only=root_only,
-    )
+    boot = _boot_of(ct, init=None, proc=False, root_only=root_only)
     assert ct._holder is not None
     reply = await anyio.to_thread.run_sync(_boot, ct._holder, boot, abandon_on_cancel=True)
     if not isinstance(reply, Ready):

@@ -680,7 +680,8 @@ class Scheduler:
             while True:
                 self._maybe_prepare(tg, s)
                 view = SampleView(s.key, s.task, tuple(s.calls), tuple(s.obs))
-                s.heard.append(self._policy.heard(view))
+                if self._selector is not None:  # only the selector listens
+                    s.heard.append(self._policy.heard(view))
                 self._maybe_speculate(tg, s, state)
                 action = await self._policy.act(view)
                 acted = anyio.current_time()

@@ -554,6 +554,15 @@ def test_tree_fork_into_a_new_pid_namespace(dev: int, procs: Procs, workspace: W
         kill_all(clones)
 
 
+def ready_target(procs: Procs, ws: Workspace) -> int:
+    """A clean target (new pid, mount, UTS, IPC and network namespaces; no child yet) whose
+    files are ready: its host pid."""
+    target = procs.spawn(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET,
+                         lambda: clean_target_main(str(ws.work)))
+    wait_for(lambda: Path(f"/proc/{target}/root{ws.work}/ready").exists(), what="the target's files")
+    return target
+
+
 def frozen_tree_fork(dev: int, ws: Workspace, target: int, cgroup_fd: int) -> list[int]:
     """Freeze *ws* and tree-fork its processes into *target* (a pid), born in the cgroup
     *cgroup_fd*: the clones' host pids, in the order of ``ws.pids``."""
@@ -570,9 +579,7 @@ def test_tree_fork_under_a_running_init(dev: int, procs: Procs, workspace: Works
     taken: another pid), the others keep their pids and shape."""
     ws = workspace
     tcg, tcg_fd = target_cgroup
-    target = procs.spawn(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET,
-                         lambda: clean_target_main(str(ws.work)))
-    wait_for(lambda: Path(f"/proc/{target}/root{ws.work}/ready").exists(), what="the target's files")
+    target = ready_target(procs, ws)
     clones = frozen_tree_fork(dev, ws, target, tcg_fd)
     try:
         of = dict(zip(ws.pids, clones))
@@ -726,9 +733,7 @@ def test_500_tree_forks_then_unload(procs: Procs, workspace: Workspace, target_c
     reference left, no warning."""
     ws = workspace
     tcg, tcg_fd = target_cgroup
-    target = procs.spawn(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET,
-                         lambda: clean_target_main(str(ws.work)))
-    wait_for(lambda: Path(f"/proc/{target}/root{ws.work}/ready").exists(), what="the target's files")
+    target = ready_target(procs, ws)
     freeze(ws.cg)
     files_before = int(Path("/proc/sys/fs/file-nr").read_text().split()[0])
     ptys_before = int(Path("/proc/sys/kernel/pty/nr").read_text())
@@ -1362,9 +1367,7 @@ def test_tree_fork_with_fd_substitutions(dev: int, procs: Procs, workspace: Work
     caller sends on its pair reaches the clone of A, which logs it."""
     ws = workspace
     tcg, tcg_fd = target_cgroup
-    target = procs.spawn(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET,
-                         lambda: clean_target_main(str(ws.work)))
-    wait_for(lambda: Path(f"/proc/{target}/root{ws.work}/ready").exists(), what="the target's files")
+    target = ready_target(procs, ws)
     freeze(ws.cg)
     a = next(p for p, r in ws.role.items() if r == "A")
     b = next(p for p, r in ws.role.items() if r == "B")
