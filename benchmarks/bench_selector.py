@@ -10,7 +10,8 @@ Usage: python benchmarks/bench_selector.py [TAU_BENCH_JSON]
    Target: blend name+arguments top-1 at least 15 points above name-bigram name-only top-1;
    blend p99 latency under 1 ms. Then the ceiling: the share of held-out calls any predictor
    that builds calls from other trials, earlier calls, earlier observations and the
-   conversation so far could produce.
+   conversation so far could produce, and the share of held-out calls among the blend's top 10
+   or the task's other trials' calls (the most a re-ranker of those candidates could reach).
 2. Simulator: the selectors are fitted on trials 0-1 (recordings of an earlier run) and the
    run replays trials 2-3, policy ``spec`` on the bunshin engine, against ``base``.
 """
@@ -101,6 +102,29 @@ def ceiling(trace, target: float) -> None:
           f"reach here; the target needs {target:.1%})")
 
 
+def candidate_recall(trace, k: int = 10) -> float:
+    """The share of held-out calls (leave one trial out, as in the evaluation) that are among
+    the blend's top *k* predictions or were made in another trial of the task: what any
+    re-ranking of the calls the blend and the task's history propose could reach at top 1."""
+    from bunshin_async import call_key, loto_folds
+
+    index = observation_index(trace)
+    n = found = 0
+    for held, train in loto_folds(trace):
+        sel = BlendSelector().fit(train)
+        known = {call_key(s.call) for r in train.rollouts if r.task == held.task for s in r.steps}
+        calls = [s.call for s in held.steps]
+        digests = [s.observation_digest for s in held.steps]
+        contexts = [s.context for s in held.steps]
+        for i, call in enumerate(calls):
+            if i and digests[i - 1] in index:
+                sel.add_observation_values({digests[i - 1]: index[digests[i - 1]]})
+            preds = sel.predict(held.task, calls[:i], k, observations=digests[:i], contexts=contexts[: i + 1])
+            n += 1
+            found += call_key(call) in known or any(p.call == call for p in preds)
+    return found / max(n, 1)
+
+
 def cpu_latency(trace) -> tuple[float, float]:
     """p50 and p99 microseconds of thread CPU time per blend prediction, leave one trial out
     as in the evaluation: unlike wall time, this excludes waiting for a core, so it shows
@@ -151,6 +175,8 @@ def main() -> None:
     p50, p99 = cpu_latency(trace)
     print(f"blend CPU time per prediction (no waiting for a core): p50 {p50:.0f} us, p99 {p99:.0f} us")
     ceiling(trace, bigram.top1_name + 0.15)
+    print(f"candidates: the blend's top 10 or a call of the task's other trials in "
+          f"{candidate_recall(trace):.1%} of held-out calls (the most a re-ranking of them could reach)")
     print(f"blend call@1 / history call@1 = {blend.top1_call / max(scores['history'].top1_call, 1e-9):.2f}x; "
           f"with / without the conversation: call@1 {blend.top1_call / max(no_talk.top1_call, 1e-9):.2f}x, "
           f"call@3 {blend.top3_call / max(no_talk.top3_call, 1e-9):.2f}x")
