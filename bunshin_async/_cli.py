@@ -73,6 +73,8 @@ def _config(args: argparse.Namespace, policy: str) -> SchedulerConfig:
         v = getattr(args, name, None)
         if v is not None:
             over[name] = v
+    if getattr(args, "no_coalesce", False):
+        over["coalesce"] = False
     return SchedulerConfig.preset(policy, **over)
 
 
@@ -170,7 +172,8 @@ def _summary(console: Console, trace: Trace, engine: str, policy: str, r: RunRes
         t.add_row("per workspace at end: private", f"{_size(sum(private) / len(mems))} mean, {_size(max(private))} max")
     t.add_row("calls", f"{r.calls} ({r.cacheable_calls} cacheable)")
     if r.tree is not None:
-        t.add_row("cache hit rate", f"{r.cache_hit_rate:.1%} ({r.tree.hits} skipped)")
+        t.add_row("cache hit rate", f"{r.cache_hit_rate:.1%} ({r.tree.hits} skipped; {r.tree.waits} lookups "
+                  f"waited for the same call in flight)")
         t.add_row("prefix tree", f"{r.tree.nodes} nodes ({r.tree.admitted_hot} admitted hot, "
                   f"{r.tree.admitted_evicted} as call logs), hot peak {_size(r.tree.hot_bytes_peak)} "
                   f"of {_size(r.tree.hot_budget)}")
@@ -298,6 +301,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-time", type=float, help="seconds of training between steps (default 0)")
     p.add_argument("--hot-budget", type=parse_bytes, help="prefix-tree hot tier budget, e.g. 32GiB (default)")
     p.add_argument("--cold-budget", type=parse_bytes, help="prefix-tree cold tier budget (default 256GiB)")
+    p.add_argument("--no-coalesce", action="store_true",
+                   help="with caching, run a call again rather than wait for the same call in flight from the same "
+                   "prefix-tree node in another sample")
     p.add_argument("--spec-budget", type=int, help="speculative branches at once (default 32)")
     p.add_argument("--spec-tail", type=float, help="speculate once at most this share of a step still runs (default 0.25)")
     p.add_argument("--spec-min-confidence", type=float, help="least prediction confidence to speculate on (default 0.3)")

@@ -18,6 +18,7 @@ runs live or in the simulator's virtual time.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -82,6 +83,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Seconds the trainer takes to update the model after a step's rollouts finish."""
     caching: bool = False
     """Use the tool-prefix tree."""
+    coalesce: bool = True
+    """With caching: a sample whose call is in flight from the same prefix-tree node in
+    another sample (the samples of a group issue the same opening calls at about the same
+    moment) waits for that call and takes its result from the tree, instead of running it
+    again. Off, each runs it and the tree shares a call only once it has finished."""
     speculation: bool = False
     """Run predicted calls while the model thinks."""
     hot_budget: int = 32 * GiB
@@ -697,7 +703,11 @@ class Scheduler:
                 cacheable = self._cacheability.cacheable(s.task, call)
                 self._cacheable_calls += cacheable
                 result: ToolResult | None = None
-                # 1. the prefix tree
+                # 1. the prefix tree (after the same call in flight from here, if any,
+                # unless a speculative branch runs it for this sample)
+                coalesce = s.on_tree and cacheable and self._cfg.coalesce
+                if coalesce and not (s.branch is not None and s.branch.key == call_key(call)):
+                    await tree.wait_running(s.node, call)
                 if s.on_tree and cacheable:
                     child = tree.lookup(s.node, call)
                     if child is not None and child.observation is not None:
@@ -732,26 +742,24 @@ class Scheduler:
                         s.spec_hits += 1
                     else:
                         await self._discard(s)
-                # 3. run it in the sample's own workspace
+                # 3. run it in the sample's own workspace (in flight until its node is in)
                 if result is None:
                     source = "executed"
-                    if s.ws is None or (s.on_tree and s.ws_node is not s.node):
-                        ws, s.ws = s.ws, None
-                        await self._release(ws)
-                        s.ws = await self._take_prep(s)
-                        if s.ws is None:
-                            s.ws = await tree.fork(s.node, s.key)
-                        s.ws_node = s.node
-                    result = await self._backend.execute(s.ws, call, CallContext(s.key, step))
-                    self._sample_memory()
-                    s.executed += 1
-                    self._note_exec(call, result)
-                if s.on_tree:
-                    if cacheable:
-                        s.node = await tree.insert(s.node, call, result, s.ws)
-                        s.ws_node = s.node
-                    else:
-                        s.on_tree = False
+                    with tree.running(s.node, call) if coalesce else contextlib.nullcontext():
+                        if s.ws is None or (s.on_tree and s.ws_node is not s.node):
+                            ws, s.ws = s.ws, None
+                            await self._release(ws)
+                            s.ws = await self._take_prep(s)
+                            if s.ws is None:
+                                s.ws = await tree.fork(s.node, s.key)
+                            s.ws_node = s.node
+                        result = await self._backend.execute(s.ws, call, CallContext(s.key, step))
+                        self._sample_memory()
+                        s.executed += 1
+                        self._note_exec(call, result)
+                        await self._advance(s, call, result, cacheable)
+                else:
+                    await self._advance(s, call, result, cacheable)
                 s.calls.append(call)
                 s.obs.append(Observation(result.observation_digest, result.observation_size, result.output))
                 self._record(s, call, result, source, acted)
@@ -760,6 +768,18 @@ class Scheduler:
                 self._selector.observe(s.task.id, s.calls, contexts=s.heard[:len(s.calls)])
             else:
                 self._selector.observe(s.task.id, s.calls)
+
+    async def _advance(self, s: _Sample, call: ToolCall, result: ToolResult, cacheable: bool) -> None:
+        """Move *s* down the prefix tree past *call* (inserting its node), or off the tree
+        if the call is not cacheable."""
+        if not s.on_tree:
+            return
+        if cacheable:
+            assert self._tree is not None
+            s.node = await self._tree.insert(s.node, call, result, s.ws)
+            s.ws_node = s.node
+        else:
+            s.on_tree = False
 
     def _maybe_prepare(self, tg: TaskGroup, s: _Sample) -> None:
         """While the model thinks, rebuild the sample's state if it sits on a cold or evicted

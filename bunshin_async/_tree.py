@@ -20,6 +20,11 @@ still charged until they are out of memory), and if the charge still does not fi
 stored evicted. So the charged hot bytes never exceed the budget. The cold tier has a byte
 budget too; beyond it the least recently used cold leaves are dropped to evicted.
 
+A call being run from a node is in flight until its child is inserted (:meth:`PrefixTree.running`):
+a sample that reaches the same node with the same call meanwhile (the samples of a GRPO group
+issue the same opening calls at about the same moment) waits for it
+(:meth:`PrefixTree.wait_running`) and then finds the child, instead of running the call again.
+
 Which snapshots leave a tier is the eviction policy's choice (:class:`~bunshin_async.EvictionPolicy`,
 least recently used by default); the tree checks each victim it is given is an evictable leaf
 of that tier (:class:`~bunshin_async.PolicyError` otherwise), so a policy can only choose, never
@@ -31,7 +36,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import anyio
 import msgspec
@@ -129,6 +134,9 @@ class TreeStatistics(msgspec.Struct, frozen=True):
     """The most bytes the cold tier stored at once (never above the cold budget)."""
     cold_budget: int
     """The cold tier's budget in bytes."""
+    waits: int = 0
+    """Lookups that first waited for the same call in flight from the same node (another
+    sample was running it) instead of running it again."""
 
 
 class PrefixTree:
@@ -171,6 +179,8 @@ class PrefixTree:
         self._adm_hot = self._adm_evicted = 0
         self._demotions = self._promotions = self._drops = self._replayed = 0
         self._root_locks: dict[str, anyio.Lock] = {}
+        self._in_flight: dict[tuple[Node, bytes], anyio.Event] = {}
+        self._waits = 0
         self._closed = False
 
     # -- queries ---------------------------------------------------------------------------
@@ -201,6 +211,7 @@ class PrefixTree:
             cold_bytes=self._cold_used,
             cold_bytes_peak=self._cold_peak,
             cold_budget=self._cold_budget,
+            waits=self._waits,
         )
 
     def lookup(self, node: Node, call: ToolCall) -> Node | None:
@@ -212,6 +223,33 @@ class PrefixTree:
             child.hits += 1
             self._touch(child)
         return child
+
+    @contextmanager
+    def running(self, node: Node, call: ToolCall) -> Iterator[None]:
+        """Mark *call* in flight from *node* for the block (run it and insert its child in
+        the block): :meth:`wait_running` waits for the block to end. Nested or concurrent
+        blocks for the same call and node mark it once, the first."""
+        key = (node, call_key(call))
+        if key in self._in_flight or key[1] in node.children:
+            yield
+            return
+        done = self._in_flight[key] = anyio.Event()
+        try:
+            yield
+        finally:
+            del self._in_flight[key]
+            done.set()
+
+    async def wait_running(self, node: Node, call: ToolCall) -> bool:
+        """Wait until *call* is no longer in flight from *node* (see :meth:`running`);
+        return whether it was. Its child is then in the tree, unless the call failed or was
+        cancelled."""
+        done = self._in_flight.get((node, call_key(call)))
+        if done is None:
+            return False
+        self._waits += 1
+        await done.wait()
+        return True
 
     def _new_node(self, task: Task, parent: Node | None, call: ToolCall | None, result: ToolResult | None) -> Node:
         n = Node(task, parent, call, result, next(self._ids))

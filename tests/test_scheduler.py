@@ -940,3 +940,63 @@ def test_a_backend_failure_fails_only_its_rollout() -> None:
     assert status[0].status == status[2].status == "done"
     assert status[0].error is None
     assert backend.live_handles() == 0 and backend.working_set() == 0
+
+
+# -- a call in flight is waited for, not run again ------------------------------------------------
+
+# sample 1 makes A while sample 0's A runs (1 to 6 s), and B while sample 0's B runs (7 to 12 s)
+FLIGHT_TRACE = make_trace(
+    [make_task("t")],
+    [
+        rollout("t", [step(A, 1.0, 5.0), step(B, 1.0, 5.0)], sample=0),
+        rollout("t", [step(A, 3.0, 5.0), step(B, 2.0, 5.0)], sample=1),
+    ],
+)
+
+
+def test_a_call_in_flight_from_the_same_node_is_waited_for_not_run_again() -> None:
+    r = simulate(FLIGHT_TRACE, policy="full")
+    s0, s1 = by_key(r)[key(sample=0)], by_key(r)[key(sample=1)]
+    assert (s0.cache_hits, s0.executed) == (0, 2)
+    assert (s1.cache_hits, s1.executed) == (2, 0)
+    assert [x.source for x in s1.steps] == ["cache", "cache"]
+    assert s1.memory is None  # it never needed a workspace of its own
+    assert s1.observations == recorded(FLIGHT_TRACE)[key(sample=1)]
+    assert s1.end == pytest.approx(s0.end, abs=SLACK)  # it had both results when sample 0 did
+    assert r.tree is not None and (r.tree.waits, r.tree.hits) == (2, 2)
+    # without waiting, sample 1 runs both calls itself: 3 + 5 + 2 + 5 s
+    off = simulate(FLIGHT_TRACE, policy="full", coalesce=False)
+    o1 = by_key(off)[key(sample=1)]
+    assert (o1.cache_hits, o1.executed) == (0, 2)
+    assert o1.end == pytest.approx(15.0, abs=SLACK) and s1.end < o1.end - 2.0
+    assert off.tree is not None and off.tree.waits == 0
+    assert o1.observations == s1.observations
+
+
+def test_a_sample_waiting_on_a_call_that_fails_runs_it_itself() -> None:
+    from bunshin_async import BackendError, CallContext
+
+    class Failing(SimBackend):
+        async def execute(self, workspace, call, context: CallContext):
+            if context.rollout.sample == 0:
+                await anyio.sleep(4.0)
+                raise BackendError("workspace w: the agent died (out of memory)")
+            return await super().execute(workspace, call, context)
+
+    backend = Failing("bunshin", ToolModel(FLIGHT_TRACE))
+    sched = Scheduler(backend, TracePolicy(FLIGHT_TRACE), SchedulerConfig.preset("base", caching=True),
+                      cacheable=RecordedCacheability(FLIGHT_TRACE))
+
+    async def main():
+        return await sched.run()
+
+    result = run_virtual(main)
+    status = {x.key.sample: x for x in result.rollouts}
+    assert status[0].status == "failed"
+    s1 = status[1]
+    assert s1.status == "done" and (s1.cache_hits, s1.executed) == (0, 2)
+    assert s1.observations == recorded(FLIGHT_TRACE)[key(sample=1)]
+    # it waited from 3 s until sample 0's A failed at 5 s (1 + 4), then ran A and B: 5 + 5 + 2 + 5
+    assert s1.end == pytest.approx(17.0, abs=SLACK)
+    assert result.tree is not None and result.tree.waits == 1
+    assert backend.live_handles() == 0 and backend.working_set() == 0

@@ -244,7 +244,8 @@ def test_a_client_leaving_the_stream_does_not_stop_the_run_and_delete_cancels_it
             r = await client.delete("/tasks/slow")
             assert r.status_code == 409 and run["id"] in r.json()["detail"]
             await anyio.sleep(0.3)
-            assert (await stats(client))["live_workspaces"] >= 3
+            # one trajectory runs the slow call; the two others wait for that call in flight
+            assert (await stats(client))["live_workspaces"] >= 1
             r = await client.delete(f"/runs/{run['id']}")
             assert r.status_code == 200
             info = r.json()

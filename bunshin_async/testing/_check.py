@@ -76,7 +76,9 @@ def _command(name: str, spec: str, kind: str, path: str, ex: dict[str, Any]) -> 
     opts = [f"--{kind}", spec, "--seed", str(ex["seed"])]
     default = SchedulerConfig()
     for k, v in ex["cfg"].items():
-        if v != getattr(default, k):
+        if k == "coalesce":
+            opts += [] if v else ["--no-coalesce"]
+        elif v != getattr(default, k):
             opts += [_OPTION[k], _bytes(v) if k.endswith("_budget") and k != "spec_budget" else str(v)]
     for t, i in ex.get("cancels", ()):
         opts += ["--cancel", f"{t:g}:{i}"]
@@ -196,7 +198,12 @@ def _run_check(
     try:
         prop()
     except Exception as exc:
-        trace: Trace = last["trace"]
+        kw = {"seed": last["seed"]}
+        if name != "engine-order":
+            kw["engine"] = last["engine"]
+        if name == "finishes-once":
+            kw["cancels"] = last["cancels"]
+        trace, exc = _reduce(last["trace"], exc, lambda t: fn(t, last["cfg"], policies, **kw))
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, f"{name}.json")
         command = _command(name, spec, kind, path, last)
@@ -207,6 +214,48 @@ def _run_check(
             error=_describe(exc), counterexample=path, replay=command, size=_size(trace),
         )
     return CheckResult(check=name, passed=True, examples=count, seconds=time.perf_counter() - t0)
+
+
+def _reduce(trace: Trace, exc: Exception, check: Callable[[Trace], None]) -> tuple[Trace, Exception]:
+    """Make the failing *trace* smaller while *check* still fails on it with an exception of
+    *exc*'s type: drop whole tasks, then single rollouts, then rollouts' last steps (so every
+    call keeps the calls before it), each while it keeps failing. Hypothesis's shrinking
+    finds a small example, but which one depends on the path its search took; this pass makes
+    the result minimal in those three ways whatever the path. Returns the trace and its
+    failure."""
+
+    def fails(t: Trace) -> Exception | None:
+        try:
+            check(t)
+        except Exception as e:
+            return e if type(e) is type(exc) else None
+        return None
+
+    def attempt(t: Trace) -> bool:
+        nonlocal trace, exc
+        if not t.rollouts:
+            return False
+        e = fails(t)
+        if e is None:
+            return False
+        trace, exc = t, e
+        return True
+
+    for task in list(trace.tasks):
+        attempt(msgspec.structs.replace(
+            trace, tasks=[x for x in trace.tasks if x.id != task.id],
+            rollouts=[r for r in trace.rollouts if r.task != task.id]))
+    i = 0
+    while i < len(trace.rollouts):
+        if not attempt(msgspec.structs.replace(trace, rollouts=trace.rollouts[:i] + trace.rollouts[i + 1:])):
+            i += 1
+    for i in range(len(trace.rollouts)):
+        while len(trace.rollouts[i].steps) > 1:
+            r = trace.rollouts[i]
+            cut = msgspec.structs.replace(r, steps=r.steps[:-1])
+            if not attempt(msgspec.structs.replace(trace, rollouts=[*trace.rollouts[:i], cut, *trace.rollouts[i + 1:]])):
+                break
+    return trace, exc
 
 
 def _program_steps(program: str) -> int:

@@ -139,7 +139,8 @@ def policy_params() -> st.SearchStrategy[dict[str, Any]]:
 
 def configs() -> st.SearchStrategy[dict[str, Any]]:
     """Scheduler options (keyword arguments of :meth:`SchedulerConfig.preset`): batch sizes,
-    sync or async steps, and budgets small enough to force demotions, drops and replays,
+    sync or async steps, budgets small enough to force demotions, drops and replays, and
+    whether a call in flight is waited for (``coalesce``),
     merged with :func:`policy_params`."""
     base = st.fixed_dictionaries({
         "batch_tasks": st.integers(1, 4),
@@ -147,6 +148,7 @@ def configs() -> st.SearchStrategy[dict[str, Any]]:
         "staleness": st.integers(0, 2),
         "hot_budget": st.sampled_from([8 * GiB, 512 * MiB, 64 * MiB, 0]),
         "cold_budget": st.sampled_from([64 * GiB, 256 * MiB, 0]),
+        "coalesce": st.sampled_from([True, False]),
     })
     return st.builds(lambda a, b: {**a, **b}, base, policy_params())
 
