@@ -102,14 +102,14 @@ def ceiling(trace, target: float) -> None:
           f"reach here; the target needs {target:.1%})")
 
 
-def candidate_recall(trace, k: int = 10) -> float:
-    """The share of held-out calls (leave one trial out, as in the evaluation) that are among
-    the blend's top *k* predictions or were made in another trial of the task: what any
-    re-ranking of the calls the blend and the task's history propose could reach at top 1."""
+def held_out_steps(trace):
+    """Leave one trial out, as in the evaluation: for each held-out call, ``(known, call,
+    predict)``: the keys of the calls the task's other trials made, the call, and
+    ``predict(k)``, the top *k* predictions of a blend fitted on the other trials (and told the
+    values of the held-out observations so far) from what came before the call."""
     from bunshin_async import call_key, loto_folds
 
     index = observation_index(trace)
-    n = found = 0
     for held, train in loto_folds(trace):
         sel = BlendSelector().fit(train)
         known = {call_key(s.call) for r in train.rollouts if r.task == held.task for s in r.steps}
@@ -119,9 +119,20 @@ def candidate_recall(trace, k: int = 10) -> float:
         for i, call in enumerate(calls):
             if i and digests[i - 1] in index:
                 sel.add_observation_values({digests[i - 1]: index[digests[i - 1]]})
-            preds = sel.predict(held.task, calls[:i], k, observations=digests[:i], contexts=contexts[: i + 1])
-            n += 1
-            found += call_key(call) in known or any(p.call == call for p in preds)
+            yield known, call, lambda k, i=i: sel.predict(
+                held.task, calls[:i], k, observations=digests[:i], contexts=contexts[: i + 1])
+
+
+def candidate_recall(trace, k: int = 10) -> float:
+    """The share of held-out calls that are among the blend's top *k* predictions or were made
+    in another trial of the task: what any re-ranking of the calls the blend and the task's
+    history propose could reach at top 1."""
+    from bunshin_async import call_key
+
+    n = found = 0
+    for known, call, predict in held_out_steps(trace):
+        n += 1
+        found += call_key(call) in known or any(p.call == call for p in predict(k))
     return found / max(n, 1)
 
 
@@ -129,21 +140,11 @@ def cpu_latency(trace) -> tuple[float, float]:
     """p50 and p99 microseconds of thread CPU time per blend prediction, leave one trial out
     as in the evaluation: unlike wall time, this excludes waiting for a core, so it shows
     the predictor's own cost on a machine other jobs keep busy."""
-    from bunshin_async import loto_folds
-
-    index = observation_index(trace)
     times = []
-    for held, train in loto_folds(trace):
-        sel = BlendSelector().fit(train)
-        calls = [s.call for s in held.steps]
-        digests = [s.observation_digest for s in held.steps]
-        contexts = [s.context for s in held.steps]
-        for i in range(len(calls)):
-            if i and digests[i - 1] in index:
-                sel.add_observation_values({digests[i - 1]: index[digests[i - 1]]})
-            t0 = time.thread_time_ns()
-            sel.predict(held.task, calls[:i], 3, observations=digests[:i], contexts=contexts[: i + 1])
-            times.append((time.thread_time_ns() - t0) / 1000)
+    for _, _, predict in held_out_steps(trace):
+        t0 = time.thread_time_ns()
+        predict(3)
+        times.append((time.thread_time_ns() - t0) / 1000)
     times.sort()
     return times[len(times) // 2], times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
 

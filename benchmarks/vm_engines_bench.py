@@ -13,8 +13,6 @@ and the clone's Rss and Pss right after the fork, and bunshin's ratios to each b
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import os
 import shlex
 import statistics
@@ -24,6 +22,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "vm"))
+from checkout import import_checkout  # noqa: E402 (the in-VM import of the checkout, shared with the tests)
+
 MIB = 1 << 20
 SPEC = """
 name = "bench"
@@ -42,35 +43,6 @@ HOG = ("import time; b = bytearray(48 << 20)\n"
        "for i in range(0, len(b), 4096): b[i] = 1\n"
        "open('/root/w/hog.ready', 'w').close()\n"
        "while True: time.sleep(3600)\n")
-
-
-def import_checkout():
-    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "MesonpyMetaFinder"]
-    # The package's own __init__ imports optional integrations (numpy through gymnasium, which
-    # may die of SIGILL under TCG's CPU model): load a bare package and only the modules used.
-    import types
-
-    pkg = types.ModuleType("bunshin_async")
-    pkg.__path__ = [str(ROOT / "bunshin_async")]
-    sys.modules["bunshin_async"] = pkg
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    found = sorted((ROOT / "build").glob(f"*/cext/_bunshin_c{suffix}"))
-    assert found, f"no _bunshin_c{suffix} under {ROOT}/build: run pip install --no-build-isolation -e . first"
-    spec = importlib.util.spec_from_file_location("bunshin_async._bunshin_c", found[-1])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bunshin_async._bunshin_c"] = mod
-    spec.loader.exec_module(mod)
-    import bunshin_async._backend as backend
-    import bunshin_async._exceptions as exceptions
-    import bunshin_async._live as live
-    import bunshin_async._spec as spec_mod
-    import bunshin_async._trace as trace
-
-    ns = types.SimpleNamespace(_live=live, load_spec=spec_mod.load_spec, CallContext=backend.CallContext,
-                               RolloutKey=trace.RolloutKey, Task=trace.Task, MemoryProfile=trace.MemoryProfile,
-                               ToolCall=trace.ToolCall, BackendError=exceptions.BackendError,
-                               ConfigError=exceptions.ConfigError)
-    return ns
 
 
 def rollup(pids) -> tuple[int, int]:

@@ -698,6 +698,7 @@ class Scheduler:
                     s.finish = action
                     break
                 call = action
+                key = call_key(call)
                 step = len(s.calls)
                 self._calls += 1
                 cacheable = self._cacheability.cacheable(s.task, call)
@@ -706,7 +707,7 @@ class Scheduler:
                 # 1. the prefix tree (after the same call in flight from here, if any,
                 # unless a speculative branch runs it for this sample)
                 coalesce = s.on_tree and cacheable and self._cfg.coalesce
-                if coalesce and not (s.branch is not None and s.branch.key == call_key(call)):
+                if coalesce and not (s.branch is not None and s.branch.key == key):
                     await tree.wait_running(s.node, call)
                 if s.on_tree and cacheable:
                     child = tree.lookup(s.node, call)
@@ -726,7 +727,7 @@ class Scheduler:
                     branch = s.branch
                     # adopt a matching branch once its call runs; one still forking (a slow
                     # engine) would only delay the call, so it is discarded instead
-                    match = branch.key == call_key(call) and branch.exec_start is not None
+                    match = branch.key == key and branch.exec_start is not None
                     if match:
                         await branch.done.wait()
                     if match and branch.result is not None and branch.ws is not None:

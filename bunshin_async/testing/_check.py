@@ -175,6 +175,15 @@ def _run_check(
     engines = st.just("bunshin") if name == "engine-order" else st.sampled_from(ENGINES)
     cancel = cancellations() if name == "finishes-once" else st.just([])
 
+    def check(trace: Trace, ex: dict[str, Any]) -> None:
+        """Run the invariant on *trace* with the example *ex*'s other draws."""
+        kw: dict[str, Any] = {"seed": ex["seed"]}
+        if name != "engine-order":
+            kw["engine"] = ex["engine"]
+        if name == "finishes-once":
+            kw["cancels"] = ex["cancels"]
+        fn(trace, ex["cfg"], policies, **kw)
+
     @hypothesis_seed(seed)
     @_settings(examples)
     @given(
@@ -188,22 +197,12 @@ def _run_check(
         tick()
         last.clear()
         last.update(trace=trace, cfg=cfg, engine=engine, cancels=cancels, seed=run_seed)
-        kw: dict[str, Any] = {"seed": run_seed}
-        if name != "engine-order":
-            kw["engine"] = engine
-        if name == "finishes-once":
-            kw["cancels"] = cancels
-        fn(trace, cfg, policies, **kw)
+        check(trace, last)
 
     try:
         prop()
     except Exception as exc:
-        kw = {"seed": last["seed"]}
-        if name != "engine-order":
-            kw["engine"] = last["engine"]
-        if name == "finishes-once":
-            kw["cancels"] = last["cancels"]
-        trace, exc = _reduce(last["trace"], exc, lambda t: fn(t, last["cfg"], policies, **kw))
+        trace, exc = _reduce(last["trace"], exc, lambda t: check(t, last))
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, f"{name}.json")
         command = _command(name, spec, kind, path, last)

@@ -14,8 +14,6 @@ directory (the editable install's import hook would try to rebuild on the read-o
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import os
 import shlex
 import sys
@@ -23,8 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
+from checkout import ROOT, import_checkout
 from vm_fork import loaded_module  # noqa: F401 (the module-scoped autouse fixture)
-from vm_module import ROOT, kernel_log
+from vm_module import kernel_log
 
 pytestmark = pytest.mark.skipif(os.environ.get("BUNSHIN_VM") != "1" or os.geteuid() != 0,
                                 reason="runs only as root inside the lab VM (bunshin vm run)")
@@ -33,47 +32,9 @@ STATE = "/run/bunshin-engine-test"
 DATA = "/tmp/bunshin-engine-data"
 MIB = 1 << 20
 
-
-
 # The interpreter the workspace runs its Python helpers with: the one behind this one's venv
 # (a workspace's root is the host's root, where a venv under /tmp, as in CI, is not visible).
 PYTHON = os.path.realpath(sys.executable)
-
-def import_checkout():
-    """Import bunshin_async from the checkout, its extension from the build directory."""
-    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "MesonpyMetaFinder"]
-    # The package's own __init__ imports optional integrations (numpy through gymnasium, which
-    # may die of SIGILL under TCG's CPU model): load a bare package and only the modules used.
-    import types
-
-    pkg = types.ModuleType("bunshin_async")
-    pkg.__path__ = [str(ROOT / "bunshin_async")]
-    sys.modules["bunshin_async"] = pkg
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    found = sorted((ROOT / "build").glob(f"*/cext/_bunshin_c{suffix}"))
-    assert found, f"no _bunshin_c{suffix} under {ROOT}/build: run pip install --no-build-isolation -e . first"
-    spec = importlib.util.spec_from_file_location("bunshin_async._bunshin_c", found[-1])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bunshin_async._bunshin_c"] = mod
-    spec.loader.exec_module(mod)
-    import bunshin_async._backend as backend
-    import bunshin_async._exceptions as exceptions
-    import bunshin_async._live as live
-    import bunshin_async._plugins as plugins
-    import bunshin_async._policy as policy
-    import bunshin_async._scheduler as scheduler
-    import bunshin_async._selector as selector
-    import bunshin_async._spec as spec_mod
-    import bunshin_async._trace as trace
-
-    ns = types.SimpleNamespace(_live=live, load_spec=spec_mod.load_spec, CallContext=backend.CallContext,
-                               RolloutKey=trace.RolloutKey, Task=trace.Task, MemoryProfile=trace.MemoryProfile,
-                               ToolCall=trace.ToolCall, BackendError=exceptions.BackendError,
-                               ConfigError=exceptions.ConfigError, TracePolicy=policy.TracePolicy,
-                               SchedulerConfig=scheduler.SchedulerConfig, Scheduler=scheduler.Scheduler,
-                               HistorySelector=selector.HistorySelector, CacheableTools=plugins.CacheableTools)
-    return ns
-
 
 SPEC = """
 name = "eng"

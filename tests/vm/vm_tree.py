@@ -32,6 +32,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vm_fork import (
@@ -563,15 +564,20 @@ def ready_target(procs: Procs, ws: Workspace) -> int:
     return target
 
 
-def frozen_tree_fork(dev: int, ws: Workspace, target: int, cgroup_fd: int) -> list[int]:
-    """Freeze *ws* and tree-fork its processes into *target* (a pid), born in the cgroup
-    *cgroup_fd*: the clones' host pids, in the order of ``ws.pids``."""
-    freeze(ws.cg)
+def tree_fork(dev: int, pids: list[int], target: int, cgroup_fd: int, **kw: Any) -> list[int]:
+    """Tree-fork the (frozen) processes *pids* into *target* (a pid), born in the cgroup
+    *cgroup_fd* (*kw*: ``subst``): the clones' host pids, in the order of *pids*."""
     pidfd = os.pidfd_open(target)
     try:
-        return c.bunshin_fork_tree(dev, ws.pids, pidfd, cgroup_fd)
+        return c.bunshin_fork_tree(dev, pids, pidfd, cgroup_fd, **kw)
     finally:
         os.close(pidfd)
+
+
+def frozen_tree_fork(dev: int, ws: Workspace, target: int, cgroup_fd: int) -> list[int]:
+    """Freeze *ws* and tree-fork its processes into *target* (see :func:`tree_fork`)."""
+    freeze(ws.cg)
+    return tree_fork(dev, ws.pids, target, cgroup_fd)
 
 
 def test_tree_fork_under_a_running_init(dev: int, procs: Procs, workspace: Workspace, target_cgroup) -> None:
@@ -820,11 +826,7 @@ def test_tree_fork_reopens_fifos_in_the_target(dev: int, procs: Procs, tmp_path:
         troot = Path(f"/proc/{holder}/root{work}")
         freeze(cg)
         before = {p: fd_table(p) for p in pids}
-        pidfd = os.pidfd_open(holder)
-        try:
-            clones = c.bunshin_fork_tree(dev, pids, pidfd, tcg_fd)
-        finally:
-            os.close(pidfd)
+        clones = tree_fork(dev, pids, holder, tcg_fd)
         try:
             fifo_ino = os.stat(troot / "fifo").st_ino
             for src, cl in zip(pids, clones):
@@ -938,11 +940,7 @@ def test_tree_fork_recreates_a_pty_pair(dev: int, procs: Procs, tmp_path: Path, 
         assert src_slave.startswith("/dev/pts/") and before[t]["1"] == before[t]["2"] == src_slave, before[t]
         src_stat = stat_fields(t)
         assert int(src_stat[4]) == tty_nr(f"/proc/{t}/fd/0") and int(src_stat[5]) == t  # tty_nr, tpgid
-        pidfd = os.pidfd_open(holder)
-        try:
-            clones = c.bunshin_fork_tree(dev, pids, pidfd, tcg_fd)
-        finally:
-            os.close(pidfd)
+        clones = tree_fork(dev, pids, holder, tcg_fd)
         try:
             ce, ct = clones
             # The new pair lives in the holder's devpts instance, not in the source's.
@@ -1373,12 +1371,8 @@ def test_tree_fork_with_fd_substitutions(dev: int, procs: Procs, workspace: Work
     b = next(p for p, r in ws.role.items() if r == "B")
     fa, fb = _socket_fd(a), _socket_fd(b)
     sa, sb = socket.socketpair()
-    pidfd = os.pidfd_open(target)
-    try:
-        subst = [(ws.pids.index(a), fa, sa.fileno()), (ws.pids.index(b), fb, sb.fileno())]
-        clones = c.bunshin_fork_tree(dev, ws.pids, pidfd, tcg_fd, subst=subst)
-    finally:
-        os.close(pidfd)
+    subst = [(ws.pids.index(a), fa, sa.fileno()), (ws.pids.index(b), fb, sb.fileno())]
+    clones = tree_fork(dev, ws.pids, target, tcg_fd, subst=subst)
     try:
         of = dict(zip(ws.pids, clones))
         assert os.stat(f"/proc/{of[a]}/fd/{fa}").st_ino == os.fstat(sa.fileno()).st_ino
